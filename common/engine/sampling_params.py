@@ -1,0 +1,69 @@
+"""Sampling parameters, shaped like vLLM's ``SamplingParams``. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. Invalid values raise ``ValueError`` naming the parameter."""
+
+    n: int = 1
+    """Completions per prompt."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same tokens."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context."""
+    min_tokens: int = 0
+    """Tokens to generate before EOS or stop token ids may end the request."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion; not included in the text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the completion (besides EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    logprobs: int | None = None
+    """Return the log-probability of each chosen token when set (0 or more)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Unvalidated pass-through for callers (request metadata)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

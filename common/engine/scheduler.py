@@ -1,0 +1,217 @@
+"""Continuous batching under a per-step token budget, with chunked prefill. No torch.
+
+Each step the scheduler hands every running request the tokens it still has to compute, decodes
+first, then continuing prefill chunks, then new requests (after a prefix-cache lookup), until the
+token budget is spent. When the pool runs out of blocks the newest running request is preempted:
+its blocks are freed (their cached prefixes stay in the pool) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from baton.common.engine.kv_cache_manager import KVCacheManager
+from baton.common.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks and decodes together)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt + output) a request may reach."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The tokens computed this step: positions ``start_pos .. start_pos + len - 1``."""
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    """True when this step reaches the request's last known token, so a token is sampled."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    """Decodes first, then prefill chunks."""
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string) wherever they are; unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv.free(req)
+            done.append(req)
+        return done
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        # Decodes before prefill chunks: a decode holds a user's stream, a chunk can wait a step.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        done: set[str] = set()
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._pick_victim(exclude=done) or req
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(self._commit(req, num_new))
+            done.add(req.request_id)
+            budget -= num_new
+
+        # New and resumed requests, first come first served, unless this step preempted.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._commit(req, num_new))
+            budget -= num_new
+
+        scheduled.sort(key=lambda s: s.num_tokens > 1)
+        return SchedulerOutput(requests=tuple(scheduled), preempted=tuple(preempted))
+
+    def _commit(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[start : start + num_new]),
+            start_pos=start,
+            block_ids=tuple(self.kv.block_ids(req.request_id)),
+            sample=req.num_computed_tokens == req.num_tokens,
+        )
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        # The newest arrival loses: it has the least work to redo and waited the least. Requests
+        # already given tokens this step keep their blocks.
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        return max(candidates, key=lambda r: r.arrival_time) if candidates else None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, SampledToken]
+    ) -> list[Request]:
+        """Append sampled tokens and finish requests that hit EOS, a stop token or a length
+        limit. Returns the requests that received a token (finished ones included)."""
+        progressed = []
+        finished_stopped, finished_length = [], []
+        for sched in output.requests:
+            tok = sampled.get(sched.request_id)
+            req = self.requests.get(sched.request_id)
+            if tok is None or req is None:
+                continue
+            req.append_output(tok.token_id, tok.logprob)
+            progressed.append(req)
+            reason = self._check_stop(req)
+            if reason == RequestStatus.FINISHED_STOPPED:
+                finished_stopped.append(req.request_id)
+            elif reason == RequestStatus.FINISHED_LENGTH:
+                finished_length.append(req.request_id)
+        self.finish_requests(finished_stopped, RequestStatus.FINISHED_STOPPED)
+        self.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH)
+        return progressed
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

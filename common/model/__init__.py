@@ -1,0 +1,1 @@
+"""Llama-family model with a paged KV cache, and its weight loaders."""

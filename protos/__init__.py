@@ -1,0 +1,1 @@
+"""gRPC contracts between the services."""

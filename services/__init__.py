@@ -1,0 +1,1 @@
+"""Processes around common/: the command line, and later the gateway and workers."""
