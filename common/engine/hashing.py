@@ -22,7 +22,15 @@ def sha256_16(data: bytes) -> bytes:
 
 
 def _encode_extra(extra_keys: tuple) -> bytes:
-    return repr(extra_keys).encode() if extra_keys else b""
+    """Canonical bytes of the extra keys (model salt, LoRA name, ...): ints, strings and bytes
+    only, since anything whose repr holds an address would differ between processes."""
+    out = []
+    for key in extra_keys:
+        if isinstance(key, bool) or not isinstance(key, (int, str, bytes)):
+            raise TypeError(f"extra keys must be int, str or bytes, got {type(key).__name__}")
+        raw = key if isinstance(key, bytes) else str(key).encode()
+        out.append(type(key).__name__[0].encode() + struct.pack("<I", len(raw)) + raw)
+    return b"".join(out)
 
 
 def hash_block_tokens(

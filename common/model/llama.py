@@ -15,13 +15,16 @@ from baton.common.model.config import LlamaConfig
 
 
 class RMSNorm(nn.Module):
+    """Normalizes the fp32 residual stream and returns it in the compute dtype."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        w = self.weight
+        return F.rms_norm(x, (x.shape[-1],), w.float(), self.eps).to(w.dtype)
 
 
 class Rotary(nn.Module):
@@ -97,6 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos, sin, kv_layer, meta):
+        # x is the residual stream, kept in fp32: in bf16 its rounding errors add up over layers.
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -122,12 +126,24 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, hidden]."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        x = self.embed_tokens(input_ids).float()
+        cos, sin = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] -> [M, vocab] in fp32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, refine_top: int = 8) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] in fp32.
+
+        In bf16 the product is rounded to 8 bits of mantissa: logits near 25 move in steps of
+        0.125, so the two best tokens often tie and argmax picks by token id. The ``refine_top``
+        best candidates of each row are recomputed in fp32 from the same bf16 operands, which
+        makes greedy choices those of the exact product at the cost of a few dot products.
+        """
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        if hidden.dtype == torch.float32 or refine_top <= 0:
+            return logits
+        top = logits.topk(refine_top, dim=-1).indices  # [M, k]
+        rows = self.lm_head_weight[top].float()  # [M, k, hidden]
+        exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [M, k]
+        return logits.scatter_(1, top, exact)

@@ -203,7 +203,7 @@ def load_model(
         state = _assemble(_iter_safetensors(source.path, progress), cfg, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device)
+    model = model.to(dtype=dtype).to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rotary.") and m != "lm_head_weight"]
     if missing or unexpected:

@@ -1,0 +1,35 @@
+"""W1 of BENCHMARKS.md: random prompts submitted at once, fixed output length, EOS ignored."""
+
+from __future__ import annotations
+
+import random
+import time
+
+
+def make_prompts(num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+    """Token ids drawn uniformly from [100, 40000), the same draw as the vLLM peer script."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_offline_bench(num_prompts: int, input_len: int, output_len: int, seed: int, engine_kwargs: dict) -> dict:
+    from baton.common.llm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs)
+    prompts = make_prompts(num_prompts, input_len, seed)
+    # Warm up (kernel build, allocator) on a different draw so that no prefix is cached.
+    llm.generate(make_prompts(2, input_len, seed + 1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.engine.pool.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "engine": "baton",
+        "elapsed_s": elapsed,
+        "num_requests": len(outs),
+        "output_token_throughput": n_out / elapsed,
+        "total_token_throughput": (n_in + n_out) / elapsed,
+    }

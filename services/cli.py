@@ -1,0 +1,124 @@
+"""The ``baton`` command: one front for every entry point.
+
+    baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
+    baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a Llama safetensors directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        model=a.model,
+        dtype=a.dtype,
+        kv_cache_gib=a.kv_cache_gib,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+        block_size=a.block_size,
+        enable_prefix_caching=not a.no_prefix_caching,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from baton.common.llm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            max_tokens=a.max_tokens,
+            seed=a.seed,
+            stop=tuple(a.stop or ()),
+            ignore_eos=a.ignore_eos,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(progress=not a.json, **_engine_kwargs(a))
+    try:
+        if a.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in a.prompt], params)
+        else:
+            outs = llm.generate(list(a.prompt), params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for out in outs:
+        c = out.outputs[0]
+        if a.json:
+            print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+        else:
+            print(c.text)
+    return 0
+
+
+def cmd_bench_offline(a: argparse.Namespace) -> int:
+    from baton.services.bench_offline import run_offline_bench
+
+    result = run_offline_bench(
+        num_prompts=a.num_prompts,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        seed=a.seed,
+        engine_kwargs=_engine_kwargs(a),
+    )
+    line = json.dumps(result)
+    print(line)
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description="LLM serving with disaggregated prefill and decode")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate offline with the engine")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    g.add_argument("--chat", action="store_true", help="apply the chat template (each prompt is a user turn)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help='print {"text", "token_ids"} per prompt')
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    off = bench.add_parser("offline", help="W1: offline throughput of the engine")
+    off.add_argument("--num-prompts", type=int, default=64)
+    off.add_argument("--input-len", type=int, default=256)
+    off.add_argument("--output-len", type=int, default=128)
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--output-json", default=None)
+    _engine_args(off)
+    off.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

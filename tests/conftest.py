@@ -1,0 +1,31 @@
+"""Shared fixtures. Real weights load once per session: the model is small, loading is not."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from baton.common.model.loader import default_model_path
+
+    path = default_model_path()
+    assert os.path.isfile(path), path
+    return path

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from baton.common.llm import LLM
+
+    return LLM(dtype="float32", kv_cache_gib=0.5)
+
+
+@pytest.fixture(scope="session")
+def hf_fp32(model_path):
+    """transformers' own GGUF loading of the same file: the reference, independent of our loader."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+    ).eval()

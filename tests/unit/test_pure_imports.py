@@ -1,0 +1,56 @@
+"""The pure core imports with torch made unimportable (STYLE.md, habit 1).
+
+Each check runs in a fresh interpreter where ``sys.modules["torch"] = None``, so any
+``import torch`` along the import chain raises ImportError and the child exits non-zero.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PURE_MODULES = [
+    "baton.common.engine.hashing",
+    "baton.common.engine.block_pool",
+    "baton.common.engine.kv_cache_manager",
+    "baton.common.engine.request",
+    "baton.common.engine.sampling_params",
+    "baton.common.engine.scheduler",
+]
+
+UNIT_DIR = Path(__file__).resolve().parent
+
+
+def _run_blocked(body: str) -> subprocess.CompletedProcess:
+    code = "import sys\nsys.modules['torch'] = None\n" + body
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_torch_block_is_effective():
+    # Guards the other checks: with the block in place, importing torch itself must fail.
+    proc = _run_blocked("import torch\n")
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr or "ModuleNotFoundError" in proc.stderr
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_module_imports_without_torch(module):
+    proc = _run_blocked(
+        f"import importlib\nimportlib.import_module({module!r})\nassert sys.modules['torch'] is None\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in UNIT_DIR.glob("test_*.py")), ids=lambda name: name)
+def test_unit_test_module_imports_without_torch(path):
+    # The unit tests themselves must not need torch either.
+    proc = _run_blocked(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('m', {str(UNIT_DIR / path)!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
