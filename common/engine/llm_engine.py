@@ -79,6 +79,10 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._counter = itertools.count()
+        # Totals since start, for tests and metrics.
+        self.num_computed_tokens_total = 0
+        self.num_steps_with_prefill = 0
+        self.num_preemptions_total = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -137,6 +141,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.num_computed_tokens_total += sched.num_batched_tokens
+        self.num_steps_with_prefill += any(r.num_tokens > 1 for r in sched.requests)
+        self.num_preemptions_total += len(sched.preempted)
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
         sampled = self.runner.execute(sched, requests, gens)
