@@ -1,9 +1,9 @@
 """The offline interface, shaped like vLLM's ``LLM``:
 
-    from baton.common.llm import LLM, SamplingParams
-    llm = LLM()                                   # the default SmolLM2 GGUF, bf16, CPU
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(out[0].outputs[0].text)
+from baton.common.llm import LLM, SamplingParams
+llm = LLM()                                   # the default SmolLM2 GGUF, bf16, CPU
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ class LLM:
         items = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(items)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
         encoded = [self._to_ids(p) for p in items]
@@ -106,11 +110,12 @@ class LLM:
             for out in self.engine.step():
                 i, j = owners[out.request_id]
                 out.outputs[0].index = j
-                if results[i] is None:
+                merged = results[i]
+                if merged is None:
                     out.request_id = str(i)
                     results[i] = out
                 else:
-                    results[i].outputs.append(out.outputs[0])
+                    merged.outputs.append(out.outputs[0])
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

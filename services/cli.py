@@ -1,7 +1,8 @@
 """The ``baton`` command: one front for every entry point.
 
-    baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
-    baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
+baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
+baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
+baton bench latency --input-len 32 --output-len 512
 """
 
 from __future__ import annotations
@@ -85,8 +86,22 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_latency(a: argparse.Namespace) -> int:
+    from baton.services.bench_offline import run_latency_bench
+
+    result = run_latency_bench(a.input_len, a.output_len, a.seed, _engine_kwargs(a))
+    line = json.dumps(result)
+    print(line)
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description="LLM serving with disaggregated prefill and decode")
+    parser = argparse.ArgumentParser(
+        prog="baton", description="LLM serving with disaggregated prefill and decode"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline with the engine")
@@ -112,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--output-json", default=None)
     _engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
+    lat = bench.add_parser("latency", help="batch-1 decode time per output token")
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=512)
+    lat.add_argument("--seed", type=int, default=0)
+    lat.add_argument("--output-json", default=None)
+    _engine_args(lat)
+    lat.set_defaults(func=cmd_bench_latency)
     return parser
 
 

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from baton.common.engine.block_pool import BlockPool
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.kv_cache_manager import KVCacheManager
@@ -18,7 +17,12 @@ from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import Scheduler, SchedulerConfig
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -60,7 +64,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         mcfg = model.config
         self.dtype = parse_dtype(config.dtype)
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
         block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype)
         num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes
         if num_blocks * config.block_size < self.max_model_len:

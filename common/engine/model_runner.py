@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
-from baton.common.model.attention import AttentionMetadata, PrefillSegment
+from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
 from baton.common.model.llama import LlamaForCausalLM
 
 
@@ -22,7 +21,9 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
     return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
 
 
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
+def allocate_kv_cache(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device
+) -> torch.Tensor:
     """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers."""
     cfg = model.config
     shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -86,13 +87,15 @@ class ModelRunner:
         for i, t in enumerate(decode_tables):
             table_np[i, : len(t)] = t
         dev = self.device
+        fresh_runs, context_prefills = plan_prefills(tuple(prefills))
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
             num_decode_tokens=nd,
             decode_block_tables=torch.from_numpy(table_np).to(dev),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            prefills=tuple(prefills),
+            fresh_runs=fresh_runs,
+            context_prefills=context_prefills,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from baton.common.engine.sampling_params import SamplingParams
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from baton.common.model.attention import AttentionMetadata, paged_attention
 from baton.common.model.config import LlamaConfig
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +28,9 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Rotate-half RoPE as in transformers' Llama; cos/sin tables in fp32, cast per step."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()

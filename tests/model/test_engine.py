@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from baton.common.llm import LLM, SamplingParams
 
 from .helpers import PLAIN_PROMPTS
@@ -31,7 +30,13 @@ def chunked_llm(llm_fp32):
     from baton.common.engine.llm_engine import LLMEngine
 
     src = llm_fp32.engine
-    cfg = replace(src.config, max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_gib=0.1, max_model_len=1024)
+    cfg = replace(
+        src.config,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+        kv_cache_gib=0.1,
+        max_model_len=1024,
+    )
     llm = LLM.__new__(LLM)
     llm.config = cfg
     llm.engine = LLMEngine(cfg, src.model, src.tokenizer, src.eos_token_ids)
@@ -113,7 +118,9 @@ def test_stop_strings_and_stop_tokens(llm_fp32):
     prompt = "1, 2, 3, 4, 5,"
     free = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert " 8" in free.text
-    stopped = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[" 8"]))[0].outputs[0]
+    stopped = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[" 8"]))[
+        0
+    ].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == " 8"
     assert stopped.text == free.text[: free.text.index(" 8")]
     first = free.token_ids[2]
@@ -127,16 +134,28 @@ def test_seeded_sampling_is_reproducible_and_varies(llm_fp32):
     a = _tokens(llm_fp32, ["Tell me a story"], p)
     b = _tokens(llm_fp32, ["Tell me a story"], p)
     assert a == b
-    others = {tuple(_tokens(llm_fp32, ["Tell me a story"], SamplingParams(
-        temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))[0]) for s in range(4)}
+    others = {
+        tuple(
+            _tokens(
+                llm_fp32,
+                ["Tell me a story"],
+                SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True),
+            )[0]
+        )
+        for s in range(4)
+    }
     assert len(others) > 1
     n2 = llm_fp32.generate(["Tell me a story"], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8))[0]
     assert [c.index for c in n2.outputs] == [0, 1]
 
 
 def test_top_k_one_is_greedy_and_logprobs(llm_fp32):
-    greedy = llm_fp32.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8, logprobs=0))
-    k1 = llm_fp32.generate(["The quick brown fox"], SamplingParams(temperature=0.8, top_k=1, max_tokens=8, seed=1))
+    greedy = llm_fp32.generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    )
+    k1 = llm_fp32.generate(
+        ["The quick brown fox"], SamplingParams(temperature=0.8, top_k=1, max_tokens=8, seed=1)
+    )
     assert greedy[0].outputs[0].token_ids == k1[0].outputs[0].token_ids
     lps = greedy[0].outputs[0].logprobs
     assert len(lps) == 8 and all(lp <= 0.0 for lp in lps)

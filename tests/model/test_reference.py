@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from baton.common.llm import LLM, SamplingParams
 
 from .helpers import CHAT_QUESTIONS, PLAIN_PROMPTS, prompt_logits
@@ -16,7 +15,9 @@ GREEDY_32 = SamplingParams(temperature=0, max_tokens=32)
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids)))
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids))
+        )
     return out[0, len(ids) :].tolist()
 
 
