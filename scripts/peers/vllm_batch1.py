@@ -7,6 +7,7 @@ Usage: python vllm_batch1.py MODEL_DIR [--output-len 512 --input-len 32 --seed 0
        [--output-json FILE] [--sanity]
 Prints one JSON line {"engine": "vllm-cpu", "ms_per_token": ...} and writes it to --output-json
 when given (vLLM logs to stdout too, so read the file)."""
+
 import argparse
 import json
 import random
@@ -20,12 +21,16 @@ def main():
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--sanity", action="store_true",
-                    help="also answer 'What is the capital of France?' (checks the weights)")
+    ap.add_argument(
+        "--sanity",
+        action="store_true",
+        help="also answer 'What is the capital of France?' (checks the weights)",
+    )
     ap.add_argument("--output-json")
     a = ap.parse_args()
     assert a.output_len >= 2
     from vllm import LLM, SamplingParams
+
     llm = LLM(model=a.model, dtype="bfloat16", max_model_len=2048, enforce_eager=a.eager, seed=a.seed)
     rng = random.Random(a.seed)
     prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(a.input_len)]}
@@ -48,9 +53,16 @@ def main():
     t1 = timed(1)
     tn = timed(a.output_len)
     ms = (tn - t1) / (a.output_len - 1) * 1000.0
-    result = json.dumps({"engine": "vllm-cpu", "ms_per_token": ms, "input_len": a.input_len,
-                         "output_len": a.output_len, "elapsed_1_s": t1,
-                         "elapsed_n_s": tn})
+    result = json.dumps(
+        {
+            "engine": "vllm-cpu",
+            "ms_per_token": ms,
+            "input_len": a.input_len,
+            "output_len": a.output_len,
+            "elapsed_1_s": t1,
+            "elapsed_n_s": tn,
+        }
+    )
     print(result, flush=True)
     if a.output_json:
         with open(a.output_json, "w") as f:
