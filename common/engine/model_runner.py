@@ -116,10 +116,15 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not inputs.sample_ids:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = hidden[inputs.logits_indices]
         params = [requests[rid].sampling_params for rid in inputs.sample_ids]
-        gens = [generators.get(rid) for rid in inputs.sample_ids]
-        tokens, logprobs = sample(logits.cpu(), params, gens)
+        logprobs: list[float] | None = None
+        if all(p.greedy and p.logprobs is None for p in params):
+            tokens = self.model.greedy_tokens(rows).tolist()
+        else:
+            logits = self.model.compute_logits(rows)
+            gens = [generators.get(rid) for rid in inputs.sample_ids]
+            tokens, logprobs = sample(logits.cpu(), params, gens)
         return {
             rid: SampledToken(tok, None if logprobs is None else logprobs[i])
             for i, (rid, tok) in enumerate(zip(inputs.sample_ids, tokens))

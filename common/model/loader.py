@@ -213,7 +213,9 @@ def load_model(
     from baton.common.model.llama import Rotary
 
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.prepack()
+    return model
 
 
 # -- tokenizer ----------------------------------------------------------------------------------
