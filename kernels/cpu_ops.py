@@ -1,9 +1,13 @@
 """CPU kernels (a torch C++ extension, JIT-built on first use) and their Python wrappers.
 
-``load()`` compiles ``cpu/paged_attention.cpp`` with ``-O3 -march=native`` into
-``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``), in a folder named by a hash of the
-source, the flags, the torch version and the CPU, so an edit or another machine rebuilds. Importing
-this module builds nothing. Building needs a C++ compiler and ``ninja``.
+``load()`` compiles every ``cpu/*.cpp`` into one module (``cpu/bindings.cpp`` holds the Python
+bindings) with ``-O3 -march=native -ffp-contract=off`` into ``$BATON_KERNEL_CACHE`` (default
+``~/.cache/baton/kernels``), in a folder named by a hash of the sources, the flags, the torch version
+and the CPU, so an edit or another machine rebuilds. Importing this module builds nothing. Building
+needs a C++ compiler and ``ninja``.
+
+``-ffp-contract=off``: no FMA contraction of separate products and sums, so the fused elementwise ops
+round like torch's eager ops (bit-identical in fp32); kernels that want FMAs use the intrinsics.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from types import ModuleType
 
 import torch
 
-_SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp"
+_SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+
+
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
 
 
 def _cpu_flags() -> str:
@@ -60,10 +68,13 @@ def load() -> ModuleType:
     from torch.utils import cpp_extension
 
     omp_cflags, omp_ldflags = _openmp_flags()
-    cflags = ["-O3", "-march=native", *omp_cflags]
+    cflags = ["-O3", "-march=native", "-ffp-contract=off", *omp_cflags]
+    sources = _sources()
     key = hashlib.sha256()
+    for src in sources:
+        key.update(src.name.encode())
+        key.update(hashlib.sha256(src.read_bytes()).digest())
     for part in (
-        _SOURCE.read_bytes(),
         repr(cflags).encode(),
         repr(omp_ldflags).encode(),
         torch.__version__.encode(),
@@ -77,7 +88,7 @@ def load() -> ModuleType:
     build_dir.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(src) for src in sources],
         extra_cflags=cflags,
         extra_ldflags=omp_ldflags,
         build_directory=str(build_dir),
@@ -110,3 +121,57 @@ def paged_decode_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _ops().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
+
+
+def add_rms_norm(
+    residual: torch.Tensor,  # [N, H] float32, contiguous; updated in place
+    delta: torch.Tensor | None,  # [N, H] bf16 or fp32, last dim contiguous
+    weight: torch.Tensor,  # [H] float32
+    eps: float,
+    out: torch.Tensor,  # [N, H] bf16 or fp32, last dim contiguous
+) -> torch.Tensor:
+    """``residual += delta.float()`` (skipped when delta is None), then
+    ``out = rms_norm(residual, weight, eps)`` in out's dtype. Returns ``out``.
+
+    Same contract as ``reference.add_rms_norm_ref``; in fp32 the bits of ``F.rms_norm``. Inputs are
+    validated in the extension (ValueError).
+    """
+    _ops().add_rms_norm(residual, delta, weight, eps, out)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = silu(gate_up[:, :I]) * gate_up[:, I:]`` for gate_up [N, 2I] and out [N, I] of one
+    dtype (bf16 or fp32; last dims contiguous). Returns ``out``.
+
+    Same contract as ``reference.silu_mul_ref``, bit-identical to the eager ``F.silu(gate) * up``
+    where torch's own kernel is vectorized (all but the last I % 16 elements of a row).
+    """
+    _ops().silu_mul(gate_up, out)
+    return out
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,  # [N, (H + 2 * KV) * D] bf16 or fp32, last dim contiguous
+    positions: torch.Tensor,  # [N] int64
+    cos: torch.Tensor,  # [max_pos, D] float32 (rotate-half tables: cat(freqs, freqs).cos())
+    sin: torch.Tensor,
+    kv_layer: torch.Tensor,  # [num_blocks, 2, KV, block_size, D], qkv's dtype
+    slot_blocks: torch.Tensor,  # [N] int64
+    slot_offsets: torch.Tensor,  # [N] int64
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Rotate the q and k heads of ``qkv`` in place (transformers' Llama rotate-half RoPE, cos/sin
+    cast to qkv's dtype first) and write row n's k and v heads to
+    ``kv_layer[slot_blocks[n], 0 / 1, :, slot_offsets[n]]``.
+
+    kv_layer is a layer's view of the cache: last three dims contiguous, any strides on the first
+    two. Same contract as ``reference.rope_and_cache_ref`` (fp32: identical bits; bf16: each result
+    rounded once, within an ulp of the eager op-by-op rounding). Shapes, dtypes, positions, block ids
+    and offsets are validated in the extension (ValueError).
+    """
+    _ops().rope_and_cache(
+        qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads, num_kv_heads, head_dim
+    )

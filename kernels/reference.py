@@ -8,6 +8,7 @@ Token t of a sequence lives in block ``block_table[t // block_size]`` at offset 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -64,3 +65,61 @@ def paged_prefill_attention_ref(
     scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,hsd->thd", probs, v).to(q.dtype)
+
+
+# --- Fused elementwise ops (baton.kernels.cpu_ops.add_rms_norm / silu_mul / rope_and_cache) ---
+
+
+def add_rms_norm_ref(
+    residual: torch.Tensor,  # [N, H] float32, updated in place
+    delta: torch.Tensor | None,  # [N, H] model dtype
+    weight: torch.Tensor,  # [H] float32
+    eps: float,
+    out: torch.Tensor,  # [N, H] model dtype
+) -> torch.Tensor:
+    """``residual += delta.float()``; ``out = rms_norm(residual) * weight`` in out's dtype."""
+    if delta is not None:
+        residual.add_(delta.float())
+    out.copy_(F.rms_norm(residual, (residual.shape[-1],), weight, eps))
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for gate_up = [gate | up] ([N, 2I]), op by op in gate_up's dtype."""
+    inter = gate_up.shape[-1] // 2
+    res = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
+def rope_and_cache_ref(
+    qkv: torch.Tensor,  # [N, (H + 2 * KV) * D], rotated in place
+    positions: torch.Tensor,  # [N] int64
+    cos: torch.Tensor,  # [max_pos, D] float32
+    sin: torch.Tensor,
+    kv_layer: torch.Tensor,  # [num_blocks, 2, KV, block_size, D]
+    slot_blocks: torch.Tensor,  # [N] int64
+    slot_offsets: torch.Tensor,  # [N] int64
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """transformers' Llama ``apply_rotary_pos_emb`` (rotate-half, cos/sin cast to qkv's dtype, op by
+    op in that dtype) on the q and k heads of qkv, in place; then k and v of each row into the cache."""
+    n = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    c = cos[positions].to(qkv.dtype).unsqueeze(1)  # [N, 1, D]
+    s = sin[positions].to(qkv.dtype).unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+        return torch.cat((-x2, x1), dim=-1)
+
+    q = qkv[:, :q_size].view(n, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(n, num_kv_heads, head_dim)
+    q.copy_((q * c) + (rotate_half(q) * s))
+    k.copy_((k * c) + (rotate_half(k) * s))
+    kv_layer[slot_blocks, 0, :, slot_offsets] = k
+    kv_layer[slot_blocks, 1, :, slot_offsets] = v

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from baton.common.model.attention import AttentionMetadata, paged_attention
 from baton.common.model.config import LlamaConfig
+from baton.kernels import fused
 from torch import nn
 
 
@@ -25,6 +26,13 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.dtype = self.weight.dtype
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.weight is not None:
+            self.dtype = self.weight.dtype
+        return self
 
     def prepack(self) -> None:
         self.packed = prepack_weight(self.weight)
@@ -40,7 +48,11 @@ class Linear(nn.Linear):
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN-packed copy of a bf16 CPU weight, or None where that path does not exist."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.backends.mkldnn.is_available()
+    ):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -49,20 +61,24 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class RMSNorm(nn.Module):
-    """Normalizes the fp32 residual stream and returns it in the compute dtype."""
+    """Weight of an RMSNorm over the fp32 residual stream; the op itself is fused with the
+    residual add (``kernels.fused.add_rms_norm``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return F.rms_norm(x, (x.shape[-1],), w.float(), self.eps).to(w.dtype)
+    def __call__(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``residual += delta`` in place, then the normalized residual in ``dtype``."""
+        out = torch.empty(residual.shape, dtype=dtype, device=residual.device)
+        return fused.add_rms_norm(residual, delta, self.weight.float(), self.eps, out)
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE as in transformers' Llama; cos/sin tables in fp32, cast per step."""
+    """Rotate-half RoPE tables as transformers' Llama builds them: ``cat(freqs, freqs)``, fp32."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -71,20 +87,9 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions: [N, 1, D] each."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -99,17 +104,28 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [N, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # [N, hidden], model dtype
+        positions: torch.Tensor,  # [N]
+        rotary: Rotary,
         kv_layer: torch.Tensor,  # [num_blocks, 2, KV, bs, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KV) * D]
+        fused.rope_and_cache(
+            qkv,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            kv_layer,
+            meta.slot_blocks,
+            meta.slot_offsets,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_layer[:, 0], kv_layer[:, 1], meta, self.scale)
         return self.o_proj(o.view(n, self.q_size))
@@ -123,9 +139,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [N, 2I]
+        act = torch.empty((x.shape[0], self.intermediate), dtype=gate_up.dtype, device=x.device)
+        return self.down_proj(fused.silu_mul(gate_up, act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -136,10 +152,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, sin, kv_layer, meta):
-        # x is the residual stream, kept in fp32: in bf16 its rounding errors add up over layers.
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, residual, delta, positions, rotary, kv_layer, meta):
+        """Adds the previous layer's output ``delta`` into the fp32 ``residual`` stream (in place:
+        in bf16 its rounding errors would add up over layers) and returns this layer's output."""
+        dtype = self.self_attn.o_proj.dtype
+        h = self.input_layernorm(residual, delta, dtype)
+        attn = self.self_attn(h, positions, rotary, kv_layer, meta)
+        return self.mlp(self.post_attention_layernorm(residual, attn, dtype))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,10 +176,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        """Pack every projection (and the LM head) for oneDNN, where that applies."""
+        """Ready the loaded weights for inference: norm weights in fp32 (they scale the fp32
+        residual stream), every projection and the LM head packed for oneDNN where that applies."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+            elif isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
         self.lm_head_packed = prepack_weight(self.lm_head_weight)
 
     def forward(
@@ -170,12 +192,12 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, KV, bs, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [N, hidden]."""
-        x = self.embed_tokens(input_ids).float()
-        cos, sin = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
+        """Hidden states after the final norm, [N, hidden] in the model dtype."""
+        residual = self.embed_tokens(input_ids).float()  # [N, hidden], fp32
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, i], meta)
-        return self.norm(x)
+            delta = layer(residual, delta, positions, self.rotary, kv_cache[:, i], meta)
+        return self.norm(residual, delta, self.embed_tokens.weight.dtype)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None:

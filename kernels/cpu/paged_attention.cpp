@@ -20,7 +20,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -595,13 +594,4 @@ bool has_avx512() {
 #else
   return false;
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-major KV cache, written into out",
-        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
 }

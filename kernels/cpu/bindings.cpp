@@ -1,0 +1,44 @@
+// Python bindings of the CPU kernel extension: every kernels/cpu/*.cpp is compiled into one module
+// (see baton.kernels.cpu_ops.load). The kernels themselves include no pybind headers.
+//
+// Errors: kernels validate their inputs with TORCH_CHECK_VALUE, which torch's exception
+// translation raises as ValueError.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+
+// paged_attention.cpp
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale);
+bool has_avx512();
+
+// fused_ops.cpp
+void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
+                  const at::Tensor& weight, double eps, const at::Tensor& out);
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
+void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& kv_layer, const at::Tensor& slot_blocks,
+                    const at::Tensor& slot_offsets, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention over a block-major KV cache, written into out",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += delta (fp32, in place); out = rms_norm(residual) * weight in out's dtype",
+        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "out = silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
+        py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_and_cache", &rope_and_cache,
+        "Rotate q and k of a fused qkv in place (rotate-half RoPE), write k and v to the paged cache",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_layer"),
+        py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::call_guard<py::gil_scoped_release>());
+}
