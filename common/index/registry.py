@@ -1,0 +1,182 @@
+"""Worker registry: one Redis key per worker, refreshed by heartbeat. Discovery and liveness in one:
+a worker that stops heartbeating vanishes when its key's TTL runs out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from baton.common.index import keys
+from baton.common.index._codec import as_text, ttl_ms
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker publishes about itself (the gateway's ``GET /workers`` shows it as is)."""
+
+    id: str
+    """Unique worker id within a model."""
+    role: Role
+    """``"prefill"`` or ``"decode"``."""
+    grpc_address: str
+    """``host:port`` of the worker's gRPC server."""
+    kv_address: str
+    """Where the KV transport reaches the worker (transport-specific)."""
+    metrics_url: str
+    """URL of the worker's Prometheus ``/metrics``."""
+    load: Mapping[str, float] = field(default_factory=dict)
+    """Load figures for routing, e.g. ``queued_prefill_tokens``, ``free_blocks``, ``num_running``."""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("a worker id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def with_load(self, **load: float) -> WorkerInfo:
+        """A copy with ``load`` replaced."""
+        return replace(self, load=dict(load))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "role": self.role,
+            "grpc_address": self.grpc_address,
+            "kv_address": self.kv_address,
+            "metrics_url": self.metrics_url,
+            "load": {name: float(value) for name, value in self.load.items()},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerInfo:
+        return cls(
+            id=data["id"],
+            role=data["role"],
+            grpc_address=data["grpc_address"],
+            kv_address=data["kv_address"],
+            metrics_url=data["metrics_url"],
+            load={name: float(value) for name, value in data.get("load", {}).items()},
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerInfo:
+        return cls.from_dict(json.loads(text))
+
+
+class WorkerRegistry:
+    """The workers of one model, each under ``baton:<model>:worker:<id>`` with a TTL of ``ttl_s``.
+
+    ``client`` is a ``redis.Redis`` (either ``decode_responses`` setting works).
+    """
+
+    def __init__(self, client: Any, model: str, ttl_s: float) -> None:
+        self._client = client
+        self._model = model
+        self._ttl_ms = ttl_ms(ttl_s)
+        self.ttl_s = ttl_s
+
+    def register(self, info: WorkerInfo) -> None:
+        """Publish ``info`` with a fresh TTL (replacing any earlier record of the same id)."""
+        self._client.set(keys.worker_key(self._model, info.id), info.to_json(), px=self._ttl_ms)
+
+    def heartbeat(self, info: WorkerInfo) -> None:
+        """Refresh the TTL and the load. Also re-creates a record that expired (e.g. after a pause),
+        so a live worker comes back on its next beat."""
+        self.register(info)
+
+    def deregister(self, worker_id: str) -> bool:
+        """Remove a worker at once; whether it was registered."""
+        return bool(self._client.delete(keys.worker_key(self._model, worker_id)))
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        """One worker's record, or None if absent or expired."""
+        raw = self._client.get(keys.worker_key(self._model, worker_id))
+        return None if raw is None else WorkerInfo.from_json(raw)
+
+    def list(self, role: Role | None = None) -> list[WorkerInfo]:
+        """Live workers of this model, sorted by id, optionally only one role."""
+        names = [
+            as_text(k) for k in self._client.scan_iter(match=keys.worker_pattern(self._model), count=256)
+        ]
+        if not names:
+            return []
+        # A key can expire between SCAN and MGET: its value comes back None and is skipped.
+        values = self._client.mget(names)
+        workers = [WorkerInfo.from_json(v) for v in values if v is not None]
+        return sorted((w for w in workers if role is None or w.role == role), key=lambda w: w.id)
+
+
+class Heartbeat:
+    """Calls ``registry.heartbeat`` every ``interval_s`` (default ``ttl / 3``) on a daemon thread.
+
+    ``source`` is the record to publish, or a function returning the current one (so that the load
+    is fresh on each beat). ``start()`` registers once in the caller's thread, so that a bad
+    address or an unreachable Redis fails loudly, then starts the thread; ``stop()`` ends the
+    thread and, by default, deregisters. A failed beat is logged and retried on the next one.
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        source: WorkerInfo | Callable[[], WorkerInfo],
+        interval_s: float | None = None,
+    ) -> None:
+        self._registry = registry
+        self._source = source
+        self._interval_s = registry.ttl_s / 3 if interval_s is None else interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._worker_id: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("heartbeat already started")
+        info = self._current()
+        self._registry.register(info)
+        self._worker_id = info.id
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{info.id}", daemon=True)
+        self._thread.start()
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stop beating; with ``deregister`` the worker leaves the registry now, not at TTL."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join()
+        if deregister and self._worker_id is not None:
+            self._registry.deregister(self._worker_id)
+
+    def __enter__(self) -> Heartbeat:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _current(self) -> WorkerInfo:
+        return self._source() if callable(self._source) else self._source
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._registry.heartbeat(self._current())
+            except Exception:  # noqa: BLE001 - a beat must not kill the thread; the next one retries
+                log.exception("heartbeat failed")
