@@ -142,8 +142,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return outputs of the requests that finished in it."""
+    def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
+        """Run one step; return outputs of the requests that finished in it and, with
+        ``include_unfinished``, cumulative outputs of every request that received a token."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -161,6 +162,8 @@ class LLMEngine:
             if req.is_finished:
                 outputs.append(self._make_output(req))
                 self._forget(req.request_id)
+            elif include_unfinished:
+                outputs.append(self._make_output(req))
         return outputs
 
     def _check_stop_strings(self, req: Request) -> None:
@@ -195,7 +198,7 @@ class LLMEngine:
             prompt=self._prompts.get(req.request_id),
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
-            finished=True,
+            finished=req.is_finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
 

@@ -1,0 +1,188 @@
+"""The engine on its own thread, with an asyncio front (vLLM V1's API-server / EngineCore split).
+
+A worker's network front (gRPC, HTTP) runs on an asyncio loop and must never wait for a forward
+step; the engine loop must never wait for the network. ``AsyncEngine`` runs ``LLMEngine.step()``
+on a dedicated thread (torch releases the GIL inside its kernels) and hands each request's new
+tokens and text to the caller's event loop as ``StreamDelta``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from baton.common.engine.llm_engine import LLMEngine
+from baton.common.engine.outputs import RequestOutput
+from baton.common.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamDelta:
+    """What one request gained since its previous delta."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stop_strings: tuple[str, ...]
+    sent_tokens: int = 0
+    sent_text: int = 0
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Text that could be the start of a stop string is held back until it is decided.
+        self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
+
+    def delta(self, out: RequestOutput) -> StreamDelta:
+        c = out.outputs[0]
+        text = c.text
+        if not out.finished:
+            end = len(text) - self.holdback
+            while end > self.sent_text and text[end - 1] == "\ufffd":
+                end -= 1  # an incomplete UTF-8 sequence: wait for the next token
+            text = text[:end]
+        d = StreamDelta(
+            request_id=out.request_id,
+            token_ids=c.token_ids[self.sent_tokens :],
+            logprobs=None if c.logprobs is None else c.logprobs[self.sent_tokens :],
+            text=text[self.sent_text :] if len(text) > self.sent_text else "",
+            finished=out.finished,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        self.sent_tokens = len(c.token_ids)
+        self.sent_text = max(self.sent_text, len(text))
+        return d
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` and the thread that steps it. ``start()`` / ``stop()`` explicitly."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the caller's side (event loop thread) -------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Submit a request and yield its deltas until it finishes. Validation errors raise
+        ``ValueError`` here, before anything is queued. Leaving the iteration early (a client
+        that went away) aborts the request and frees its blocks."""
+        if self.error is not None:
+            raise RuntimeError("engine loop failed") from self.error
+        self.engine.validate_prompt(prompt_token_ids)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.stop)
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step(include_unfinished=True):
+                        self._publish(out)
+        except BaseException as e:  # the loop must not die silently: fail every open stream
+            log.exception("engine loop failed")
+            self.error = e
+            for rid, stream in list(self._streams.items()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {e}"))
+                self._streams.pop(rid, None)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, stream = cmd
+            try:
+                self.engine.add_request(rid, ids, params)
+            except ValueError as e:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                return
+            self._streams[rid] = stream
+        elif kind == "abort":
+            rid = cmd[1]
+            self.engine.abort_request(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(
+                    stream.queue.put_nowait,
+                    StreamDelta(rid, [], None, "", finished=True, finish_reason="abort"),
+                )
+
+    def _publish(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        delta = stream.delta(out)
+        if out.finished:
+            del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)

@@ -1,0 +1,109 @@
+"""The engine on its own thread, driven from asyncio: streams, aborts, errors, a free event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from baton.common.engine.async_engine import AsyncEngine
+from baton.common.llm import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(llm_fp32):
+    engine = AsyncEngine(llm_fp32.engine)
+    engine.start()
+    yield engine
+    engine.stop()
+    assert not engine.is_running
+    assert not llm_fp32.engine.has_unfinished_requests()
+    llm_fp32.engine.pool.check_integrity()
+
+
+async def _collect(engine, rid, ids, params):
+    deltas = [d async for d in engine.generate(rid, ids, params)]
+    tokens = [t for d in deltas for t in d.token_ids]
+    return deltas, tokens, "".join(d.text for d in deltas)
+
+
+def test_concurrent_streams_match_offline_generation(async_engine, llm_fp32):
+    tok = llm_fp32.get_tokenizer()
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of"]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, f"r{i}", x, GREEDY) for i, x in enumerate(ids)))
+
+    results = asyncio.run(main())
+    offline = llm_fp32.generate(ids, GREEDY)
+    for (deltas, tokens, text), off in zip(results, offline):
+        assert tokens == off.outputs[0].token_ids
+        assert text == off.outputs[0].text
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert sum(1 for d in deltas if d.token_ids) > 1  # streamed, not one lump
+        assert all(not d.finished for d in deltas[:-1])
+
+
+def test_streamed_text_never_shows_a_stop_string(async_engine, llm_fp32):
+    prompt = "1, 2, 3, 4, 5,"
+    ids = llm_fp32.get_tokenizer().encode(prompt, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[" 9"])
+    deltas, _, text = asyncio.run(_collect(async_engine, "stop", ids, params))
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == " 9"
+    assert " 9" not in text
+    assert text == llm_fp32.generate([prompt], params)[0].outputs[0].text
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(async_engine, llm_fp32):
+    engine = llm_fp32.engine
+    free = engine.pool.num_free_blocks
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        got = 0
+        async for d in async_engine.generate("gone", list(range(100, 180)), long):
+            got += len(d.token_ids)
+            if got >= 3:
+                break  # the client went away
+        for _ in range(200):  # bounded wait for the engine thread to process the abort
+            if not engine.has_unfinished_requests():
+                return got
+            await asyncio.sleep(0.05)
+        return got
+
+    assert asyncio.run(main()) >= 3
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == free
+
+
+def test_bad_prompt_raises_before_queueing(async_engine):
+    async def main():
+        async for _ in async_engine.generate("bad", [], GREEDY):
+            pass
+
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        asyncio.run(main())
+
+
+def test_event_loop_keeps_running_while_the_engine_works(async_engine):
+    async def main():
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(ticker())
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        await _collect(async_engine, "long", list(range(200, 600)), params)
+        done.set()
+        await t
+        return ticks
+
+    assert asyncio.run(main()) >= 3
