@@ -5,6 +5,7 @@ batch-1 decode step."""
 from __future__ import annotations
 
 import torch
+
 from baton.kernels import reference
 
 

@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from baton.kernels.cpu_ops import load, paged_decode_attention
 from baton.kernels.reference import paged_decode_attention_ref
 

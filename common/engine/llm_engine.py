@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from baton.common.engine.block_pool import BlockPool
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.kv_cache_manager import KVCacheManager

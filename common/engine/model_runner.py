@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput

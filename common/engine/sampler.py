@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from baton.common.engine.sampling_params import SamplingParams
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from baton.kernels import paged_attention as kernels
 from baton.kernels.reference import gather_kv
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from baton.common.model.attention import AttentionMetadata, paged_attention
 from baton.common.model.config import LlamaConfig
 from baton.kernels import fused
-from torch import nn
 
 
 class Linear(nn.Linear):

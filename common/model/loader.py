@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from baton.common.model.config import LlamaConfig
 from baton.common.model.llama import LlamaForCausalLM
-from tqdm import tqdm
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+
 from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig
 
 from .helpers import pid_alive

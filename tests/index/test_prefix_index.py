@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.common.index import keys
 from baton.common.index.prefix_index import PrefixIndex, chain_lengths
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
 from .helpers import wait_until

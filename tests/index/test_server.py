@@ -7,6 +7,7 @@ import stat
 
 import pytest
 import redis
+
 from baton.common.index.server import (
     EmbeddedRedis,
     EmbeddedRedisConfig,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from baton.kernels.cpu_ops import load, paged_decode_attention
 from baton.kernels.reference import paged_decode_attention_ref
 

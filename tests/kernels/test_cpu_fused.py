@@ -11,6 +11,7 @@ import platform
 
 import pytest
 import torch
+
 from baton.kernels.cpu_ops import add_rms_norm, load, rope_and_cache, silu_mul
 from baton.kernels.reference import add_rms_norm_ref, rope_and_cache_ref, silu_mul_ref
 

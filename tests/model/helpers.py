@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
 from baton.common.engine.scheduler import ScheduledRequest, SchedulerOutput
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.common.llm import LLM, SamplingParams
 
 from .helpers import PLAIN_PROMPTS

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+
 from baton.common.llm import LLM, SamplingParams
 
 from .helpers import CHAT_QUESTIONS, PLAIN_PROMPTS, prompt_logits

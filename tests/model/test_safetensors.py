@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from baton.common.llm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from baton.common.engine.hashing import BlockHasher, hash_block_tokens, sha256_16
 
 TOKENS = list(range(100, 114))  # 14 tokens: 3 full blocks of 4 and a partial one of 2

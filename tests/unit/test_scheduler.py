@@ -10,6 +10,7 @@ import itertools
 import random
 
 import pytest
+
 from baton.common.engine.block_pool import BlockPool
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.kv_cache_manager import KVCacheManager
