@@ -68,6 +68,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(result: dict, output_json: str | None) -> None:
+    """Print a benchmark's JSON line, and write it to ``output_json`` when given."""
+    line = json.dumps(result)
+    print(line)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(line + "\n")
+
+
 def cmd_bench_offline(a: argparse.Namespace) -> int:
     from baton.services.bench_offline import run_offline_bench
 
@@ -78,11 +87,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
         seed=a.seed,
         engine_kwargs=_engine_kwargs(a),
     )
-    line = json.dumps(result)
-    print(line)
-    if a.output_json:
-        with open(a.output_json, "w") as f:
-            f.write(line + "\n")
+    _emit(result, a.output_json)
     return 0
 
 
@@ -90,11 +95,7 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     from baton.services.bench_offline import run_latency_bench
 
     result = run_latency_bench(a.input_len, a.output_len, a.seed, _engine_kwargs(a))
-    line = json.dumps(result)
-    print(line)
-    if a.output_json:
-        with open(a.output_json, "w") as f:
-            f.write(line + "\n")
+    _emit(result, a.output_json)
     return 0
 
 
