@@ -29,3 +29,11 @@ def model_path() -> str:
     path = default_model_path()
     assert os.path.isfile(path), path
     return path
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """The default model in fp32: the offline reference for engine, service and e2e tests."""
+    from baton.common.llm import LLM
+
+    return LLM(dtype="float32", kv_cache_gib=0.5)

@@ -14,6 +14,9 @@ class KVCacheManager:
         self.block_size = hasher.block_size
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # request -> how many of its blocks are registered
+        # Prefix-cache lookups in tokens, as vLLM counts them (for metrics).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
@@ -43,6 +46,8 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
     def allocate_slots(

@@ -58,8 +58,11 @@ class EngineConfig:
 class LLMEngine:
     """One engine over one model. Not thread-safe: one loop drives ``step()``."""
 
-    def __init__(self, config: EngineConfig, model, tokenizer, eos_token_ids: frozenset[int]):
+    def __init__(
+        self, config: EngineConfig, model, tokenizer, eos_token_ids: frozenset[int], model_name: str = "model"
+    ):
         self.config = config
+        self.model_name = model_name
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -88,6 +91,8 @@ class LLMEngine:
         self._counter = itertools.count()
         # Totals since start, for tests and metrics.
         self.num_computed_tokens_total = 0
+        self.num_prompt_tokens_computed_total = 0
+        self.num_generated_tokens_total = 0
         self.num_steps_with_prefill = 0
         self.num_preemptions_total = 0
 
@@ -98,7 +103,7 @@ class LLMEngine:
         source = ModelSource.resolve(config.model)
         model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
         tokenizer = load_tokenizer(source)
-        return cls(config, model, tokenizer, eos_token_ids(source, tokenizer))
+        return cls(config, model, tokenizer, eos_token_ids(source, tokenizer), model_name=source.name)
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
@@ -150,12 +155,18 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.num_computed_tokens_total += sched.num_batched_tokens
+        for r in sched.requests:
+            prompt_len = self.scheduler.requests[r.request_id].num_prompt_tokens
+            self.num_prompt_tokens_computed_total += max(
+                0, min(r.start_pos + r.num_tokens, prompt_len) - r.start_pos
+            )
         self.num_steps_with_prefill += any(r.num_tokens > 1 for r in sched.requests)
         self.num_preemptions_total += len(sched.preempted)
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
         sampled = self.runner.execute(sched, requests, gens)
         progressed = self.scheduler.update_from_output(sched, sampled)
+        self.num_generated_tokens_total += len(progressed)
         outputs = []
         for req in progressed:
             if not req.is_finished and req.sampling_params.stop:

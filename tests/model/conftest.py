@@ -6,13 +6,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def llm_fp32():
-    from baton.common.llm import LLM
-
-    return LLM(dtype="float32", kv_cache_gib=0.5)
-
-
-@pytest.fixture(scope="session")
 def hf_fp32(model_path):
     """transformers' own GGUF loading of the same file: the reference, independent of our loader."""
     import torch

@@ -1,0 +1,1 @@
+"""Conversions between the wire (protobuf) and the engine's dataclasses."""

@@ -1,0 +1,71 @@
+"""Prometheus metrics, named after vLLM's (``baton:...``). Each service owns a registry.
+
+Engine figures are read at scrape time by a collector (no bookkeeping on the hot path); request
+latencies are histograms observed by the service that sees the request's life.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineCollector:
+    """Exports an ``LLMEngine``'s counters and gauges, read when Prometheus scrapes."""
+
+    def __init__(self, engine, labels: dict[str, str]):
+        self.engine = engine
+        self.labels = labels
+
+    def _g(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _c(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        e = self.engine
+        yield self._g("baton:num_requests_running", "Requests in the running batch.", e.scheduler.num_running)
+        yield self._g(
+            "baton:num_requests_waiting", "Requests waiting to be scheduled.", e.scheduler.num_waiting
+        )
+        yield self._g("baton:kv_cache_usage_perc", "Fraction of KV blocks in use.", e.pool.usage)
+        yield self._g(
+            "baton:num_free_blocks", "KV blocks free (cached ones included).", e.pool.num_free_blocks
+        )
+        yield self._g("baton:num_blocks", "KV blocks in the pool.", e.pool.num_blocks)
+        yield self._c(
+            "baton:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            e.kv.prefix_cache_queries,
+        )
+        yield self._c(
+            "baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.prefix_cache_hits
+        )
+        yield self._c(
+            "baton:prompt_tokens_computed",
+            "Prompt tokens this worker computed.",
+            e.num_prompt_tokens_computed_total,
+        )
+        yield self._c("baton:generation_tokens", "Tokens generated.", e.num_generated_tokens_total)
+        yield self._c("baton:num_preemptions", "Requests preempted.", e.num_preemptions_total)
+
+
+class RequestMetrics:
+    """Per-request latencies, observed by whoever streams the tokens."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        names = list(labels)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, names, buckets=LATENCY_BUCKETS, registry=registry).labels(**labels)
+
+        self.ttft = hist("baton:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("baton:inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = hist("baton:e2e_request_latency_seconds", "Request latency, arrival to last token.")

@@ -1,0 +1,1 @@
+"""The decode worker: continuous batching over the paged KV cache, tokens streamed over gRPC."""

@@ -1,0 +1,178 @@
+"""A decode worker process: an ``AsyncEngine``, a gRPC ``Decode`` service, Prometheus metrics and a
+registry heartbeat.
+
+The gRPC front runs on asyncio and the engine on its own thread, so neither waits for the other.
+Until prefill workers land, every prompt is prefilled here (the local path that disaggregated
+serving keeps for short uncached prompts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from baton.common.api.convert import params_from_proto
+from baton.common.engine.async_engine import AsyncEngine
+from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.metrics import EngineCollector, RequestMetrics
+from baton.protos import baton_pb2, baton_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    """Address the gRPC and metrics servers bind and advertise."""
+    grpc_port: int = 0
+    """0 picks a free port."""
+    metrics_port: int = 0
+    redis_url: str | None = None
+    """Registry to join; None runs unregistered (tests, a single worker)."""
+    worker_id: str = ""
+    """Defaults to ``decode-<host>-<pid>-<random>``."""
+    heartbeat_ttl_s: float = 6.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DecodeServicer(baton_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: AsyncEngine, metrics: RequestMetrics):
+        self.engine = engine
+        self.metrics = metrics
+
+    async def Generate(self, request, context):
+        try:
+            params = params_from_proto(request.params)
+            self.engine.engine.validate_prompt(request.prompt_token_ids)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        start = last = time.perf_counter()
+        first = True
+        async for d in self.engine.generate(request.request_id, list(request.prompt_token_ids), params):
+            now = time.perf_counter()
+            if d.token_ids:
+                if first:
+                    self.metrics.ttft.observe(now - start)
+                    first = False
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+            if d.finished:
+                self.metrics.e2e.observe(now - start)
+            yield baton_pb2.GenerateChunk(
+                request_id=d.request_id,
+                token_ids=d.token_ids,
+                logprobs=d.logprobs or [],
+                text=d.text,
+                finish_reason=d.finish_reason or "" if d.finished else "",
+                stop_reason="" if d.stop_reason is None else str(d.stop_reason),
+                num_prompt_tokens=d.num_prompt_tokens,
+                num_cached_tokens=d.num_cached_tokens,
+            )
+
+    async def Abort(self, request, context):
+        for rid in request.request_ids:
+            self.engine.abort(rid)
+        return baton_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+
+class DecodeWorker:
+    """Owns the engine, servers and heartbeat of one decode worker. ``start()`` / ``stop()``."""
+
+    def __init__(self, config: DecodeWorkerConfig):
+        self.config = config
+        self.worker_id = config.worker_id or f"decode-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.grpc_port = config.grpc_port
+        self.metrics_port = config.metrics_port
+        self.engine: AsyncEngine | None = None
+        self._server: grpc.aio.Server | None = None
+        self._heartbeat = None
+        self._metrics_server = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
+        self.engine = AsyncEngine(llm_engine)
+        self.engine.start()
+        registry = CollectorRegistry()
+        labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
+        registry.register(EngineCollector(llm_engine, labels))
+        metrics = RequestMetrics(registry, labels)
+        self.metrics_port = self.metrics_port or free_port(cfg.host)
+        self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
+
+        self._server = grpc.aio.server()
+        baton_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self.engine, metrics), self._server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{self.grpc_port}")
+        await self._server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        if cfg.redis_url:
+            self._start_heartbeat(llm_engine)
+        log.info("decode worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
+
+    def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
+        import redis
+
+        from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+
+        cfg = self.config
+        client = redis.Redis.from_url(cfg.redis_url)
+        reg = WorkerRegistry(client, llm_engine.model_name, cfg.heartbeat_ttl_s)
+        base = WorkerInfo(
+            id=self.worker_id,
+            role="decode",
+            grpc_address=f"{cfg.host}:{self.grpc_port}",
+            kv_address="",
+            metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+        )
+
+        def current() -> WorkerInfo:
+            s = llm_engine.stats()
+            return base.with_load(
+                num_running=s["num_requests_running"],
+                num_waiting=s["num_requests_waiting"],
+                free_blocks=s["num_free_blocks"],
+            )
+
+        self._heartbeat = Heartbeat(reg, current)
+        self._heartbeat.start()
+
+    async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._server is not None:
+            await self._server.stop(grace=2.0)
+        if self.engine is not None:
+            self.engine.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+
+async def serve(config: DecodeWorkerConfig, ready_file: str | None = None) -> None:
+    """Run a decode worker until cancelled (SIGINT/SIGTERM in ``baton decode``)."""
+    worker = DecodeWorker(config)
+    await worker.start()
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await worker.stop()
