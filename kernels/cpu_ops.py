@@ -123,6 +123,39 @@ def paged_decode_attention(
     return out
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, KV, block_size, D], any dim-0 stride
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32, tokens cached per sequence, its new ones included
+    query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative q row offsets
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal prefill attention over the paged cache, read in place. Returns ``out`` ([N, H, D],
+    q's dtype).
+
+    Rows ``query_start_loc[s] .. query_start_loc[s+1]-1`` of q are the last T_s tokens of sequence
+    s (positions ``context_lens[s] - T_s ..``), whose K/V are already in the cache; the query at
+    position p attends to the sequence's cached positions 0..p. Per sequence, the same contract as
+    ``reference.paged_prefill_attention_ref``. Rows outside every sequence are not written. Block
+    ids past a sequence's length are never read (may be -1). q, out: last dim contiguous (any
+    other strides, e.g. q a view into a fused qkv buffer); caches: last three dims contiguous, any
+    dim-0 stride. bf16 uses AVX512-BF16 dot products where the CPU has them (probabilities rounded
+    to bf16 for P.V, fp32 accumulation); fp32 and fp16 compute in fp32.
+
+    Shapes, dtypes, strides, devices, lengths, offsets and the block ids used are validated in the
+    extension and raise ValueError.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _ops().paged_prefill_attention(
+        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale
+    )
+    return out
+
+
 def add_rms_norm(
     residual: torch.Tensor,  # [N, H] float32, contiguous; updated in place
     delta: torch.Tensor | None,  # [N, H] bf16 or fp32, last dim contiguous

@@ -24,3 +24,23 @@ def paged_decode_attention(
     from baton.kernels import cpu_ops
 
     return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, KV, bs, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each chunk's new tokens over its paged context (CPU kernel only)."""
+    if q.is_cuda:
+        raise NotImplementedError("no paged prefill kernel for CUDA yet; use SDPA")
+    from baton.kernels import cpu_ops
+
+    return cpu_ops.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out=out
+    )

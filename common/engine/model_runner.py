@@ -89,6 +89,11 @@ class ModelRunner:
             table_np[i, : len(t)] = t
         dev = self.device
         fresh_runs, context_prefills = plan_prefills(tuple(prefills))
+        pwidth = max((p.block_table.numel() for p in prefills), default=1)
+        ptables = np.zeros((len(prefills), pwidth), dtype=np.int32)
+        for i, p in enumerate(prefills):
+            ptables[i, : p.block_table.numel()] = p.block_table.numpy()
+        qsl = [p.start for p in prefills] + [prefills[-1].end] if prefills else [0]
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev),
@@ -97,6 +102,11 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
             fresh_runs=fresh_runs,
             context_prefills=context_prefills,
+            prefill_block_tables=torch.from_numpy(ptables).to(dev),
+            prefill_context_lens=torch.tensor(
+                [p.context_len for p in prefills], dtype=torch.int32, device=dev
+            ),
+            prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -14,6 +14,11 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
                             at::Tensor block_tables, at::Tensor context_lens, double scale);
 bool has_avx512();
 
+// paged_prefill.cpp
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                             at::Tensor block_tables, at::Tensor context_lens,
+                             at::Tensor query_start_loc, double scale);
+
 // fused_ops.cpp
 void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
                   const at::Tensor& weight, double eps, const at::Tensor& out);
@@ -29,6 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal paged prefill attention of each sequence's new tokens over its paged KV cache",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (fp32, in place); out = rms_norm(residual) * weight in out's dtype",

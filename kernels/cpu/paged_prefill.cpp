@@ -1,0 +1,749 @@
+// Paged prefill attention for the CPU: causal attention of each sequence's new tokens over its
+// paged KV cache, read in place (no gather, no mask tensor). Matches
+// baton.kernels.reference.paged_prefill_attention_ref applied sequence by sequence.
+//
+//   q:               [N, H, D]                  (inner dim contiguous, any row/head strides)
+//   k/v_cache:       [num_blocks, KV, bs, D]    (inner three dims contiguous, any dim-0 stride)
+//   block_tables:    [S, max_blocks] int32      (inner dim contiguous; unused slots are not read)
+//   context_lens:    [S] int32                  (tokens cached for s, its new ones included)
+//   query_start_loc: [S + 1] int32              (rows qsl[s] .. qsl[s+1]-1 of q are the last
+//                                                T_s = qsl[s+1] - qsl[s] tokens of sequence s)
+//   out:             [N, H, D] in q's dtype     (inner dim contiguous; rows outside every
+//                                                sequence are not written)
+//
+// The query at position p (context_len - T_s <= p < context_len) attends to positions 0..p.
+//
+// Work items are (sequence, kv head, tile of up to 32 query positions; smaller tiles when that
+// gives too few items for the threads, e.g. a short chunk after a long context); at::parallel_for
+// hands each thread a contiguous range of about equal work. A thread packs the K/V rows of its
+// current (sequence, kv head) into a thread-local buffer, 32 keys at a time and only as far as its
+// items need (consecutive items of one pair extend the same buffer), then computes the item's rows
+// (query position x group head: the G = H / KV heads of a group share every K/V row) in blocks of
+// R rows whose output (R x D fp32) stays in registers across the whole key range: per 32-key
+// chunk, S = Q K^T, streaming softmax, O = O * alpha + P V. Only the chunks that pass some row's
+// position are masked; chunks past the block's last position are never visited.
+//
+// Softmax: fp32, in base 2 on scores times scale * log2(e), with a lazily updated reference point
+// per row (its running max, moved only when a score exceeds it by more than 8, so probabilities
+// stay below 2^8 and the O / l rescale is rare after the first chunk). 2^x by a minimax polynomial
+// (relative error 1e-7; 3e-6 where the probabilities are then rounded to bf16).
+//
+// Layouts of the packed buffers (per 32-key chunk):
+//   bf16 with AVX512-BF16: K as two 16-key groups of [D/2][16] dwords (each dword a pair of
+//     dimensions of one key), so one vdpbf16ps of a broadcast q dword adds 2 dims of 16 scores;
+//     V as 16 key pairs of [D/16][16] dwords (dims 16c..16c+15 of keys 2u and 2u+1 interleaved),
+//     so one vdpbf16ps of a broadcast (p_2u, p_2u+1) pair adds 2 keys to 16 output dims. q.k
+//     products of bf16 values are exact in fp32; the probabilities are rounded to bf16 for P V
+//     (as torch's flash attention does for bf16), accumulation is fp32.
+//   fp32 / fp16 / bf16 without AVX512-BF16: K as two groups of [D][16] floats, V as [32][D]
+//     floats; plain fp32 FMAs.
+// The portable path (no AVX-512, or D other than 64 / 128) is a per-row scalar loop.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BATON_PREFILL_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxTile = 32;  // query positions per work item
+constexpr int64_t kMinTile = 4;
+
+struct PrefillParams {
+  const void* q;
+  void* out;
+  const void* k;
+  const void* v;
+  int64_t q_rstride, q_hstride;
+  int64_t o_rstride, o_hstride;
+  int64_t k_bstride, v_bstride;  // elements between consecutive blocks (dim-0 strides)
+  int64_t head_stride;           // bs * D
+  int64_t H, KV, G, D, bs;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* lens;
+  const int32_t* qsl;
+  float scale;
+};
+
+struct Item {
+  int64_t s, kh, i0, i1;  // query indices i0..i1-1 among sequence s's new tokens, kv head kh
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 / Half: round to nearest even
+
+// ---------------------------------------------------------------------------------------------
+// Portable path: one query row at a time, one key at a time.
+template <typename T>
+void item_generic(const PrefillParams& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t G = p.G, D = p.D, bs = p.bs;
+  const int64_t ctx = p.lens[it.s];
+  const int64_t start = ctx - (p.qsl[it.s + 1] - p.qsl[it.s]);
+  const int32_t* bt = p.block_tables + it.s * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k) + it.kh * p.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + it.kh * p.head_stride;
+  scratch.resize(static_cast<size_t>(2 * D));
+  float* qf = scratch.data();
+  float* acc = qf + D;
+  for (int64_t i = it.i0; i < it.i1; ++i) {
+    const int64_t row = p.qsl[it.s] + i, pos = start + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = it.kh * G + g;
+      const T* q = static_cast<const T*>(p.q) + row * p.q_rstride + h * p.q_hstride;
+      T* out = static_cast<T*>(p.out) + row * p.o_rstride + h * p.o_hstride;
+      for (int64_t d = 0; d < D; ++d) {
+        qf[d] = to_float(q[d]);
+        acc[d] = 0.f;
+      }
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      for (int64_t t = 0; t <= pos; ++t) {
+        const int64_t blk = bt[t / bs], off = t % bs;
+        const T* krow = kbase + blk * p.k_bstride + off * D;
+        const T* vrow = vbase + blk * p.v_bstride + off * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
+        s *= p.scale;
+        const float m_new = std::max(m, s);
+        const float alpha = std::exp(m - m_new);
+        const float pe = std::exp(s - m_new);
+        l = l * alpha + pe;
+        m = m_new;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + pe * to_float(vrow[d]);
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(acc[d] * inv);
+    }
+  }
+}
+
+// K/V of the (sequence, kv head) a thread is working on, packed up to `chunks` 32-key chunks.
+// The buffers are thread-local and keep their capacity across calls; the pair is reset per call.
+struct alignas(64) CacheLine {
+  uint8_t bytes[64];
+};
+struct PackState {
+  int64_t s = -1, kh = -1, chunks = 0;
+  std::vector<CacheLine>* kbuf;  // 64-byte aligned storage (C++17 aligned new)
+  std::vector<CacheLine>* vbuf;
+};
+
+#ifdef BATON_PREFILL_AVX512
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path.
+
+// 2^x for x <= kSlack (a few units above 0 at most): x = n + f with n an integer and
+// |f| <= 1/2, 2^f by a minimax polynomial of degree DEG (relative error 2.7e-6 for degree 4,
+// 1e-7 for degree 6), times 2^n by vscalefps (so very negative x give 0). MASKED: lanes outside k
+// are zero (they may be -inf or NaN in x).
+template <int DEG>
+struct Exp2Poly {
+  template <bool MASKED>
+  static inline __m512 eval(__mmask16 k, __m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 y;
+    if constexpr (DEG == 4) {
+      y = _mm512_set1_ps(0.009570043534040451f);
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05591786280274391f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.2402474582195282f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931217908859253f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.9999992847442627f));
+    } else {
+      static_assert(DEG == 6, "degree 4 or 6");
+      y = _mm512_set1_ps(0.0001534576149424538f);
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.0013399932067841291f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.009618489071726799f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05550328642129898f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24022646248340607f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931471824645996f));
+      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+    }
+    if constexpr (MASKED) return _mm512_maskz_scalef_ps(k, y, n);
+    return _mm512_scalef_ps(y, n);
+  }
+};
+
+// Max over the 16 lanes, broadcast to every lane.
+inline __m512 bcast_max(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+// Keys 0..n-1 of a 16-key group valid (n may be <= 0 or >= 16).
+inline __mmask16 prefix_mask(int64_t n) {
+  if (n >= 16) return static_cast<__mmask16>(0xFFFF);
+  if (n <= 0) return 0;
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// QKBF: q.k with vdpbf16ps (T must be bf16); PVBF: P V with vdpbf16ps.
+template <typename T, int D, bool QKBF, bool PVBF>
+struct Prefill {
+  static_assert(D % 32 == 0, "D must be a multiple of 32");
+  static constexpr int NV = D / 16;           // fp32 vectors per row
+  static constexpr int R = D <= 64 ? 4 : 2;   // query rows per register block
+  static constexpr int NA = 2 * R >= 8 ? 1 : 2;  // partial sums per score vector (latency)
+  static constexpr int64_t kKChunkBytes = 32 * D * (QKBF ? 2 : 4);
+  static constexpr int64_t kVChunkBytes = 32 * D * (PVBF ? 2 : 4);
+  // Probabilities rounded to bf16 need far less than fp32 accuracy.
+  using Exp2 = Exp2Poly<PVBF ? 4 : 6>;
+
+  // Pack 32-key chunk c (keys >= ctx are zero) of one (sequence, kv head).
+  static void pack_chunk(const PrefillParams& p, const T* kbase, const T* vbase, const int32_t* bt,
+                         int64_t ctx, int64_t c, uint8_t* kdst, uint8_t* vdst) {
+    const int64_t bs = p.bs;
+    auto krow = [&](int64_t t) { return kbase + bt[t / bs] * p.k_bstride + (t % bs) * D; };
+    auto vrow = [&](int64_t t) { return vbase + bt[t / bs] * p.v_bstride + (t % bs) * D; };
+    const int64_t t0 = 32 * c;
+    if constexpr (QKBF) {
+      uint32_t* kw = reinterpret_cast<uint32_t*>(kdst);
+      for (int h = 0; h < 2; ++h) {
+        uint32_t* grp = kw + h * (D / 2) * 16;
+        for (int i = 0; i < 16; ++i) {
+          const int64_t t = t0 + 16 * h + i;
+          if (t < ctx) {
+            const T* row = krow(t);
+#pragma GCC unroll 8
+            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = load_u32(row + 2 * j);
+          } else {
+            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = 0;
+          }
+        }
+      }
+    } else {
+      float* kf = reinterpret_cast<float*>(kdst);
+      for (int h = 0; h < 2; ++h) {
+        float* grp = kf + h * D * 16;
+        for (int i = 0; i < 16; ++i) {
+          const int64_t t = t0 + 16 * h + i;
+          if (t < ctx) {
+            const T* row = krow(t);
+#pragma GCC unroll 8
+            for (int d = 0; d < D; ++d) grp[d * 16 + i] = to_float(row[d]);
+          } else {
+            for (int d = 0; d < D; ++d) grp[d * 16 + i] = 0.f;
+          }
+        }
+      }
+    }
+    if constexpr (PVBF) {
+      // Key pair u: 16-bit elements 2i / 2i+1 of output vector (u, c') are dim 16c'+i of keys
+      // 2u / 2u+1.
+      __m512i idx[2];
+      alignas(64) int16_t lo[32], hi[32];
+      for (int i = 0; i < 16; ++i) {
+        lo[2 * i] = static_cast<int16_t>(i);
+        lo[2 * i + 1] = static_cast<int16_t>(32 + i);
+        hi[2 * i] = static_cast<int16_t>(16 + i);
+        hi[2 * i + 1] = static_cast<int16_t>(48 + i);
+      }
+      idx[0] = _mm512_load_si512(lo);
+      idx[1] = _mm512_load_si512(hi);
+      __m512i* out = reinterpret_cast<__m512i*>(vdst);
+      for (int u = 0; u < 16; ++u) {
+        const int64_t ta = t0 + 2 * u, tb = ta + 1;
+        const T* a = ta < ctx ? vrow(ta) : nullptr;
+        const T* b = tb < ctx ? vrow(tb) : nullptr;
+#pragma GCC unroll 4
+        for (int h = 0; h < D / 32; ++h) {
+          const __m512i va = a ? _mm512_loadu_si512(a + 32 * h) : _mm512_setzero_si512();
+          const __m512i vb = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
+          out[u * NV + 2 * h] = _mm512_permutex2var_epi16(va, idx[0], vb);
+          out[u * NV + 2 * h + 1] = _mm512_permutex2var_epi16(va, idx[1], vb);
+        }
+      }
+    } else {
+      float* vf = reinterpret_cast<float*>(vdst);
+      for (int i = 0; i < 32; ++i) {
+        const int64_t t = t0 + i;
+        float* dst = vf + i * D;
+        if (t < ctx) {
+          const T* row = vrow(t);
+#pragma GCC unroll 8
+          for (int d = 0; d < D; ++d) dst[d] = to_float(row[d]);
+        } else {
+          for (int d = 0; d < D; ++d) dst[d] = 0.f;
+        }
+      }
+    }
+  }
+
+  // R query rows (pos: their positions; rows past n_valid repeat the last one and are not
+  // stored) against the packed keys 0..max(pos).
+  static void rows(const PrefillParams& p, int n_valid, const int64_t* pos, const T* const* qrow,
+                   T* const* orow, const uint8_t* kbuf, const uint8_t* vbuf) {
+    // Query rows are broadcast straight from q (bf16 dwords for vdpbf16ps, or fp32); other dtypes
+    // are converted to fp32 first.
+    constexpr bool kQDirect = QKBF || std::is_same_v<T, float>;
+    [[maybe_unused]] alignas(64) float qconv[kQDirect ? 1 : R][D];
+    const float* qf[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (!kQDirect) {
+        for (int d = 0; d < D; ++d) qconv[r][d] = to_float(qrow[r][d]);
+        qf[r] = qconv[r];
+      } else if constexpr (!QKBF) {
+        qf[r] = reinterpret_cast<const float*>(qrow[r]);
+      }
+    }
+    int64_t pmin = pos[0], pmax = pos[0];
+    for (int r = 1; r < R; ++r) {
+      pmin = std::min(pmin, pos[r]);
+      pmax = std::max(pmax, pos[r]);
+    }
+    const int64_t n_chunks = pmax / 32 + 1;
+    const int64_t n_full = (pmin + 1) / 32;  // chunks no row needs masked
+
+    // Softmax in base 2 on scores scaled by scale * log2(e). The reference point m of a row is
+    // its running max, updated lazily: only when a score exceeds it by more than kSlack (so the
+    // probabilities stay below 2^kSlack), which after the first chunk is rare.
+    constexpr float kSlack = 8.f;
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 slack = _mm512_set1_ps(kSlack);
+    const __m512 cscale = _mm512_set1_ps(p.scale * 1.44269504088896341f);
+    __m512 acc[R][NV];
+    __m512 m[R], m_hi[R], l[R];  // m and m + kSlack: all lanes equal; l: lane-wise partial sums
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+      m[r] = m_hi[r] = neg_inf;
+      l[r] = _mm512_setzero_ps();
+    }
+    [[maybe_unused]] alignas(64) uint32_t pbf[PVBF ? R : 1][16];
+    [[maybe_unused]] alignas(64) float pf[PVBF ? 1 : R][32];
+
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      // ---- scores of the chunk's 32 keys: s[r][h] holds keys 32c + 16h + lane
+      __m512 s[R][2];
+      {
+        __m512 sa[NA][R][2];
+        for (int a = 0; a < NA; ++a)
+          for (int r = 0; r < R; ++r) sa[a][r][0] = sa[a][r][1] = _mm512_setzero_ps();
+        if constexpr (QKBF) {
+#if defined(__AVX512BF16__)
+          const uint32_t* kc = reinterpret_cast<const uint32_t*>(kbuf + c * kKChunkBytes);
+#pragma GCC unroll 4
+          for (int j = 0; j < D / 2; j += NA) {
+#pragma GCC unroll 2
+            for (int a = 0; a < NA; ++a) {
+              const __m512bh k0 = (__m512bh)_mm512_load_si512(kc + (j + a) * 16);
+              const __m512bh k1 = (__m512bh)_mm512_load_si512(kc + (D / 2 + j + a) * 16);
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) {
+                const __m512bh qb =
+                    (__m512bh)_mm512_set1_epi32(static_cast<int>(load_u32(qrow[r] + 2 * (j + a))));
+                sa[a][r][0] = _mm512_dpbf16_ps(sa[a][r][0], qb, k0);
+                sa[a][r][1] = _mm512_dpbf16_ps(sa[a][r][1], qb, k1);
+              }
+            }
+          }
+#endif
+        } else {
+          const float* kc = reinterpret_cast<const float*>(kbuf + c * kKChunkBytes);
+#pragma GCC unroll 4
+          for (int d = 0; d < D; d += NA) {
+#pragma GCC unroll 2
+            for (int a = 0; a < NA; ++a) {
+              const __m512 k0 = _mm512_load_ps(kc + (d + a) * 16);
+              const __m512 k1 = _mm512_load_ps(kc + (D + d + a) * 16);
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) {
+                const __m512 qb = _mm512_set1_ps(qf[r][d + a]);
+                sa[a][r][0] = _mm512_fmadd_ps(qb, k0, sa[a][r][0]);
+                sa[a][r][1] = _mm512_fmadd_ps(qb, k1, sa[a][r][1]);
+              }
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          s[r][0] = sa[0][r][0];
+          s[r][1] = sa[0][r][1];
+          for (int a = 1; a < NA; ++a) {
+            s[r][0] = _mm512_add_ps(s[r][0], sa[a][r][0]);
+            s[r][1] = _mm512_add_ps(s[r][1], sa[a][r][1]);
+          }
+        }
+      }
+
+      // ---- streaming softmax
+      const bool masked = c >= n_full;
+      for (int r = 0; r < R; ++r) {
+        __m512 s0 = _mm512_mul_ps(s[r][0], cscale);
+        __m512 s1 = _mm512_mul_ps(s[r][1], cscale);
+        __mmask16 k0 = 0xFFFF, k1 = 0xFFFF;
+        if (masked) {
+          const int64_t n = pos[r] - 32 * c + 1;  // keys of the chunk row r sees
+          k0 = prefix_mask(n);
+          k1 = prefix_mask(n - 16);
+          s0 = _mm512_mask_mov_ps(neg_inf, k0, s0);
+          s1 = _mm512_mask_mov_ps(neg_inf, k1, s1);
+        }
+        if (_mm512_cmp_ps_mask(s0, m_hi[r], _CMP_GT_OQ) |
+            _mm512_cmp_ps_mask(s1, m_hi[r], _CMP_GT_OQ)) {  // new reference point
+          const __m512 m_new = bcast_max(_mm512_max_ps(s0, s1));
+          if (!_mm512_cmp_ps_mask(m[r], neg_inf, _CMP_EQ_OQ)) {  // not the first chunk: rescale
+            const __m512 alpha = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(m[r], m_new));
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], alpha);
+            l[r] = _mm512_mul_ps(l[r], alpha);
+          }
+          m[r] = m_new;
+          m_hi[r] = _mm512_add_ps(m_new, slack);
+        }
+        __m512 p0, p1;
+        if (masked) {
+          p0 = Exp2::template eval<true>(k0, _mm512_sub_ps(s0, m[r]));
+          p1 = Exp2::template eval<true>(k1, _mm512_sub_ps(s1, m[r]));
+        } else {
+          p0 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s0, m[r]));
+          p1 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s1, m[r]));
+        }
+        l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
+        if constexpr (PVBF) {
+#if defined(__AVX512BF16__)
+          _mm512_store_si512(pbf[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+#endif
+        } else {
+          _mm512_store_ps(pf[r], p0);
+          _mm512_store_ps(pf[r] + 16, p1);
+        }
+      }
+
+      // ---- acc += P V over the keys some row sees
+      const int64_t n_keys = std::min<int64_t>(32, pmax - 32 * c + 1);
+      if constexpr (PVBF) {
+#if defined(__AVX512BF16__)
+        const __m512i* vc = reinterpret_cast<const __m512i*>(vbuf + c * kVChunkBytes);
+        const int n_pairs = static_cast<int>((n_keys + 1) / 2);
+        for (int u = 0; u < n_pairs; ++u) {
+          __m512bh vv[NV];
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_load_si512(vc + u * NV + v);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbf[r][u]));
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, vv[v]);
+          }
+        }
+#endif
+      } else {
+        const float* vc = reinterpret_cast<const float*>(vbuf + c * kVChunkBytes);
+        for (int t = 0; t < n_keys; ++t) {
+          __m512 vv[NV];
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; ++v) vv[v] = _mm512_load_ps(vc + t * D + 16 * v);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m512 pb = _mm512_set1_ps(pf[r][t]);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+          }
+        }
+      }
+    }
+
+    alignas(64) float tmp[D];
+    for (int r = 0; r < n_valid; ++r) {
+      const float lsum = _mm512_reduce_add_ps(l[r]);
+      const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
+      T* o = orow[r];
+      if constexpr (std::is_same_v<T, float>) {
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(acc[r][v], inv));
+      } else if constexpr (std::is_same_v<T, c10::Half>) {
+        for (int v = 0; v < NV; ++v)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * v),
+                              _mm512_cvtps_ph(_mm512_mul_ps(acc[r][v], inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#if defined(__AVX512BF16__)
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even
+        for (int v = 0; v < NV; v += 2)
+          _mm512_storeu_si512(o + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(
+                                              _mm512_mul_ps(acc[r][v + 1], inv),
+                                              _mm512_mul_ps(acc[r][v], inv)));
+#endif
+      } else {
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(tmp + 16 * v, _mm512_mul_ps(acc[r][v], inv));
+        for (int d = 0; d < D; ++d) o[d] = from_float<T>(tmp[d]);
+      }
+    }
+  }
+
+  static void item(const PrefillParams& p, const Item& it, PackState& ps) {
+    const int64_t ctx = p.lens[it.s];
+    const int64_t n_new = p.qsl[it.s + 1] - p.qsl[it.s];
+    const int64_t start = ctx - n_new;  // position of query 0
+    const int64_t need = (start + it.i1 - 1) / 32 + 1;
+    if (ps.s != it.s || ps.kh != it.kh) {
+      ps.s = it.s;
+      ps.kh = it.kh;
+      ps.chunks = 0;
+    }
+    if (ps.chunks < need) {
+      if (static_cast<int64_t>(ps.kbuf->size()) * 64 < need * kKChunkBytes)
+        ps.kbuf->resize(static_cast<size_t>(need * kKChunkBytes / 64));
+      if (static_cast<int64_t>(ps.vbuf->size()) * 64 < need * kVChunkBytes)
+        ps.vbuf->resize(static_cast<size_t>(need * kVChunkBytes / 64));
+      const int32_t* bt = p.block_tables + it.s * p.bt_stride;
+      const T* kbase = static_cast<const T*>(p.k) + it.kh * p.head_stride;
+      const T* vbase = static_cast<const T*>(p.v) + it.kh * p.head_stride;
+      uint8_t* kb = ps.kbuf->data()->bytes;
+      uint8_t* vb = ps.vbuf->data()->bytes;
+      for (int64_t c = ps.chunks; c < need; ++c)
+        pack_chunk(p, kbase, vbase, bt, ctx, c, kb + c * kKChunkBytes, vb + c * kVChunkBytes);
+      ps.chunks = need;
+    }
+    const uint8_t* kb = ps.kbuf->data()->bytes;
+    const uint8_t* vb = ps.vbuf->data()->bytes;
+
+    const int64_t G = p.G;
+    const int64_t n_rows = (it.i1 - it.i0) * G;  // position-major: row = (i - i0) * G + g
+    const T* q = static_cast<const T*>(p.q);
+    T* out = static_cast<T*>(p.out);
+    // The item's q rows into L2, its out rows for writing (likely not cached: q and out are
+    // strided rows of large buffers).
+    for (int64_t i = it.i0; i < it.i1; ++i) {
+      const int64_t row = p.qsl[it.s] + i;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = it.kh * G + g;
+        const char* qr = reinterpret_cast<const char*>(q + row * p.q_rstride + h * p.q_hstride);
+        const char* orw = reinterpret_cast<const char*>(out + row * p.o_rstride + h * p.o_hstride);
+        for (int64_t o = 0; o < static_cast<int64_t>(D * sizeof(T)); o += 64) {
+          _mm_prefetch(qr + o, _MM_HINT_T1);
+          __builtin_prefetch(orw + o, 1, 2);
+        }
+      }
+    }
+    for (int64_t r0 = 0; r0 < n_rows; r0 += R) {
+      int64_t pos[R];
+      const T* qrow[R];
+      T* orow[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t idx = std::min(r0 + r, n_rows - 1);
+        const int64_t i = it.i0 + idx / G, h = it.kh * G + idx % G;
+        const int64_t row = p.qsl[it.s] + i;
+        pos[r] = start + i;
+        qrow[r] = q + row * p.q_rstride + h * p.q_hstride;
+        orow[r] = out + row * p.o_rstride + h * p.o_hstride;
+      }
+      rows(p, static_cast<int>(std::min<int64_t>(R, n_rows - r0)), pos, qrow, orow, kb, vb);
+    }
+  }
+};
+
+using ItemFn = void (*)(const PrefillParams&, const Item&, PackState&);
+
+template <typename T>
+ItemFn pick_avx512(int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (D == 64) return &Prefill<T, 64, true, true>::item;
+    if (D == 128) return &Prefill<T, 128, true, true>::item;
+    return nullptr;
+  }
+#endif
+  if (D == 64) return &Prefill<T, 64, false, false>::item;
+  if (D == 128) return &Prefill<T, 128, false, false>::item;
+  return nullptr;
+}
+#endif  // BATON_PREFILL_AVX512
+
+// Work of an item, in (row x key) units plus a per-row overhead.
+inline int64_t item_work(const PrefillParams& p, const Item& it) {
+  const int64_t start = p.lens[it.s] - (p.qsl[it.s + 1] - p.qsl[it.s]);
+  const int64_t n = it.i1 - it.i0;
+  return n * p.G * (start + (it.i0 + it.i1 + 1) / 2 + 48);
+}
+
+template <typename T>
+void run(const PrefillParams& p, int64_t S) {
+  const int64_t threads = at::get_num_threads();
+  auto count_items = [&](int64_t tile) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) n += (p.qsl[s + 1] - p.qsl[s] + tile - 1) / tile;
+    return n * p.KV;
+  };
+  int64_t tile = kMaxTile;
+  while (tile > kMinTile && count_items(tile) < 4 * threads) tile /= 2;
+  std::vector<Item> items;
+  items.reserve(static_cast<size_t>(count_items(tile)));
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n_new = p.qsl[s + 1] - p.qsl[s];
+    for (int64_t kh = 0; kh < p.KV; ++kh)
+      for (int64_t i0 = 0; i0 < n_new; i0 += tile)
+        items.push_back({s, kh, i0, std::min(n_new, i0 + tile)});
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items == 0) return;
+  std::vector<int64_t> work(static_cast<size_t>(n_items) + 1, 0);
+  for (int64_t i = 0; i < n_items; ++i) work[i + 1] = work[i] + item_work(p, items[i]);
+
+#ifdef BATON_PREFILL_AVX512
+  const ItemFn fast = pick_avx512<T>(p.D);
+#endif
+  auto do_range = [&](int64_t lo, int64_t hi) {
+#ifdef BATON_PREFILL_AVX512
+    if (fast != nullptr) {
+      thread_local std::vector<CacheLine> kbuf, vbuf;
+      PackState ps;
+      ps.kbuf = &kbuf;
+      ps.vbuf = &vbuf;
+      for (int64_t i = lo; i < hi; ++i) fast(p, items[i], ps);
+      return;
+    }
+#endif
+    std::vector<float> scratch;
+    for (int64_t i = lo; i < hi; ++i) item_generic<T>(p, items[i], scratch);
+  };
+
+  const int64_t total = work[n_items];
+  if (threads <= 1 || n_items <= 1 || total < 16384 || at::in_parallel_region()) {
+    do_range(0, n_items);
+    return;
+  }
+  const int64_t parts = std::min(threads, n_items);
+  std::vector<int64_t> bounds(static_cast<size_t>(parts) + 1, n_items);
+  bounds[0] = 0;
+  int64_t it = 0;
+  for (int64_t i = 1; i < parts; ++i) {  // first item of part i: the one closest to total * i / parts
+    const int64_t target = total * i / parts;
+    while (it < n_items && work[it + 1] <= target) ++it;
+    if (it < n_items && target - work[it] > work[it + 1] - target) ++it;
+    bounds[i] = std::max(it, bounds[i - 1]);
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t part = lo; part < hi; ++part) do_range(bounds[part], bounds[part + 1]);
+  });
+}
+
+}  // namespace
+
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                             at::Tensor block_tables, at::Tensor context_lens,
+                             at::Tensor query_start_loc, double scale) {
+  TORCH_CHECK_VALUE(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+                        v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+                        context_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
+                    "paged_prefill_attention: all tensors must be on the CPU");
+  TORCH_CHECK_VALUE(q.dim() == 3, "q must be [N, H, D], got ", q.sizes());
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.dim() == 4,
+                    "k_cache and v_cache must be [num_blocks, KV, block_size, D], got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ: ",
+                    k_cache.sizes(), " vs ", v_cache.sizes());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "unsupported dtype ", dtype, " (float32, bfloat16 or float16)");
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+                    "q, k_cache and v_cache dtypes must match");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(3) == D, "head_dim mismatch: q has ", D, ", cache has ",
+                    k_cache.size(3));
+  TORCH_CHECK_VALUE(KV > 0 && H % KV == 0, "num_heads ", H, " must be a multiple of num_kv_heads ",
+                    KV);
+  TORCH_CHECK_VALUE(bs > 0, "block_size must be positive");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK_VALUE(c->stride(3) == 1 && c->stride(2) == D && c->stride(1) == bs * D,
+                      "k_cache/v_cache must be contiguous in their last three dims, strides ",
+                      c->strides());
+  }
+  TORCH_CHECK_VALUE(q.stride(2) == 1, "q must be contiguous in its last dim, strides ", q.strides());
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == dtype && out.stride(2) == 1,
+                    "out must be ", q.sizes(), " ", dtype, " with a contiguous last dim");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt &&
+                        context_lens.scalar_type() == at::kInt &&
+                        query_start_loc.scalar_type() == at::kInt,
+                    "block_tables, context_lens and query_start_loc must be int32");
+  TORCH_CHECK_VALUE(context_lens.dim() == 1, "context_lens must be [S], got ", context_lens.sizes());
+  const int64_t S = context_lens.size(0);
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == S &&
+                        (block_tables.stride(1) == 1 || block_tables.size(1) <= 1),
+                    "block_tables must be [S, max_blocks] with a contiguous last dim, got ",
+                    block_tables.sizes());
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 && query_start_loc.size(0) == S + 1,
+                    "query_start_loc must be [S + 1], got ", query_start_loc.sizes());
+  const at::Tensor lens_c = context_lens.contiguous();
+  const at::Tensor qsl_c = query_start_loc.contiguous();
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
+  const int32_t* qsl = qsl_c.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK_VALUE(qsl[0] >= 0 && qsl[S] <= N, "query_start_loc runs from ", qsl[0], " to ",
+                    qsl[S], ", outside q's ", N, " rows");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n_new = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+    TORCH_CHECK_VALUE(n_new >= 0, "query_start_loc must be non-decreasing, got ", qsl[s], " then ",
+                      qsl[s + 1]);
+    TORCH_CHECK_VALUE(lens[s] >= n_new && lens[s] <= max_blocks * bs, "context_lens[", s, "] = ",
+                      lens[s], " is out of range: ", n_new, " new tokens, ", max_blocks,
+                      " blocks of ", bs);
+    if (n_new == 0) continue;  // nothing is read
+    const int64_t nb = (lens[s] + bs - 1) / bs;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t id = bt[s * block_tables.stride(0) + j];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block_tables[", s, ", ", j, "] = ", id,
+                        " is out of range for ", num_blocks, " blocks");
+    }
+  }
+  if (S == 0 || N == 0 || H == 0 || D == 0) return;
+
+  PrefillParams p;
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.q_rstride = q.stride(0);
+  p.q_hstride = q.stride(1);
+  p.o_rstride = out.stride(0);
+  p.o_hstride = out.stride(1);
+  p.k_bstride = k_cache.stride(0);
+  p.v_bstride = v_cache.stride(0);
+  p.head_stride = bs * D;
+  p.H = H;
+  p.KV = KV;
+  p.G = H / KV;
+  p.D = D;
+  p.bs = bs;
+  p.block_tables = bt;
+  p.bt_stride = block_tables.stride(0);
+  p.lens = lens;
+  p.qsl = qsl;
+  p.scale = static_cast<float>(scale);
+  switch (dtype) {
+    case at::kFloat: run<float>(p, S); break;
+    case at::kBFloat16: run<c10::BFloat16>(p, S); break;
+    case at::kHalf: run<c10::Half>(p, S); break;
+    default: TORCH_CHECK_VALUE(false, "unsupported dtype ", dtype);
+  }
+}
