@@ -99,6 +99,80 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_forever(coro_factory) -> int:
+    """Run an asyncio service until SIGINT or SIGTERM, then let it clean up."""
+    import asyncio
+    import signal
+
+    async def main() -> None:
+        task = asyncio.ensure_future(coro_factory())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_decode(a: argparse.Namespace) -> int:
+    from baton.common.engine.llm_engine import EngineConfig
+    from baton.services.decode.worker import DecodeWorkerConfig, serve
+
+    config = DecodeWorkerConfig(
+        engine=EngineConfig(**_engine_kwargs(a)),
+        host=a.host,
+        grpc_port=a.port,
+        metrics_port=a.metrics_port,
+        redis_url=a.redis_url,
+        worker_id=a.worker_id,
+    )
+    return _serve_forever(lambda: serve(config))
+
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    from baton.services.gateway.app import GatewayConfig, serve
+
+    config = GatewayConfig(host=a.host, port=a.port, model=a.model, redis_url=a.redis_url)
+    return _serve_forever(lambda: serve(config))
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from baton.services.up import UpConfig, run_cluster
+
+    return run_cluster(
+        UpConfig(
+            decode=a.decode,
+            host=a.host,
+            port=a.port,
+            engine_args=_engine_flags(a),
+            model=a.model,
+            ready_timeout_s=a.ready_timeout,
+            log_dir=a.log_dir,
+        )
+    )
+
+
+def _engine_flags(a: argparse.Namespace) -> list[str]:
+    """The engine options of ``a`` as command-line flags, to pass on to a worker process."""
+    flags = ["--dtype", a.dtype, "--kv-cache-gib", str(a.kv_cache_gib)]
+    flags += [
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(a.max_num_seqs),
+    ]
+    flags += ["--block-size", str(a.block_size)]
+    if a.model:
+        flags += ["--model", a.model]
+    if a.no_prefix_caching:
+        flags.append("--no-prefix-caching")
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="baton", description="LLM serving with disaggregated prefill and decode"
@@ -118,6 +192,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids"} per prompt')
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    up = sub.add_parser("up", help="a local cluster: Redis, decode workers and the gateway")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    up.add_argument("--log-dir", default=None, help="write each service's output here (default: inherit)")
+    _engine_args(up)
+    up.set_defaults(func=cmd_up)
+
+    dec = sub.add_parser("decode", help="one decode worker")
+    dec.add_argument("--host", default="127.0.0.1")
+    dec.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
+    dec.add_argument("--metrics-port", type=int, default=0)
+    dec.add_argument("--redis-url", default=None, help="registry to join")
+    dec.add_argument("--worker-id", default="")
+    _engine_args(dec)
+    dec.set_defaults(func=cmd_decode)
+
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--model", default=None)
+    gw.add_argument("--redis-url", required=True)
+    gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     off = bench.add_parser("offline", help="W1: offline throughput of the engine")

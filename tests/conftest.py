@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from baton.common.model.loader import default_model_path
+    from baton.common.model.source import default_model_path
 
     path = default_model_path()
     assert os.path.isfile(path), path

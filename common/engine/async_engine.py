@@ -119,6 +119,7 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # refused at admission (e.g. a duplicate id): nothing to abort
                     raise item
                 yield item
                 if item.finished:

@@ -98,7 +98,8 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
-        from baton.common.model.loader import ModelSource, eos_token_ids, load_model, load_tokenizer
+        from baton.common.model.loader import load_model
+        from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
 
         source = ModelSource.resolve(config.model)
         model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)

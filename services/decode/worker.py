@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics
 from baton.protos import baton_pb2, baton_pb2_grpc
 
@@ -44,12 +44,6 @@ class DecodeWorkerConfig:
     heartbeat_ttl_s: float = 6.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class DecodeServicer(baton_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, metrics: RequestMetrics):
         self.engine = engine
@@ -63,32 +57,42 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         start = last = time.perf_counter()
         first = True
-        async for d in self.engine.generate(request.request_id, list(request.prompt_token_ids), params):
-            now = time.perf_counter()
-            if d.token_ids:
-                if first:
-                    self.metrics.ttft.observe(now - start)
-                    first = False
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-            if d.finished:
-                self.metrics.e2e.observe(now - start)
-            yield baton_pb2.GenerateChunk(
-                request_id=d.request_id,
-                token_ids=d.token_ids,
-                logprobs=d.logprobs or [],
-                text=d.text,
-                finish_reason=d.finish_reason or "" if d.finished else "",
-                stop_reason="" if d.stop_reason is None else str(d.stop_reason),
-                num_prompt_tokens=d.num_prompt_tokens,
-                num_cached_tokens=d.num_cached_tokens,
-            )
+        try:
+            async for d in self._deltas(request, params):
+                now = time.perf_counter()
+                if d.token_ids:
+                    if first:
+                        self.metrics.ttft.observe(now - start)
+                        first = False
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                if d.finished:
+                    self.metrics.e2e.observe(now - start)
+                yield _chunk(d)
+        except ValueError as e:  # refused at admission, e.g. a request id already in use
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _deltas(self, request, params):
+        return self.engine.generate(request.request_id, list(request.prompt_token_ids), params)
 
     async def Abort(self, request, context):
         for rid in request.request_ids:
             self.engine.abort(rid)
         return baton_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+
+def _chunk(d) -> baton_pb2.GenerateChunk:
+    return baton_pb2.GenerateChunk(
+        request_id=d.request_id,
+        token_ids=d.token_ids,
+        logprobs=d.logprobs or [],
+        text=d.text,
+        finish_reason=(d.finish_reason or "") if d.finished else "",
+        stop_reason="" if d.stop_reason is None else str(d.stop_reason),
+        num_prompt_tokens=d.num_prompt_tokens,
+        num_cached_tokens=d.num_cached_tokens,
+    )
 
 
 class DecodeWorker:

@@ -1,0 +1,317 @@
+"""The gateway's FastAPI app: OpenAI-compatible completions and chat completions, models, health,
+readiness, metrics and the worker list.
+
+``create_app(config)`` builds the app (it loads the tokenizer; nothing connects until a request);
+``serve(config)`` runs it under uvicorn until cancelled or signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from baton.services.gateway.dispatch import Dispatcher, SubRequest, fan_out
+from baton.services.gateway.errors import (
+    APIError,
+    bad_request,
+    model_not_found,
+    unavailable,
+    validation_error,
+)
+from baton.services.gateway.metrics import GatewayMetrics
+from baton.services.gateway.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_prompt_ids,
+)
+from baton.services.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, TokenText
+from baton.services.gateway.router import Router
+from baton.services.gateway.streaming import ClientGone, SSEResponse, collect, events, unless_disconnected
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_CLOSED_REQUEST = 499
+"""The status logged for a client that left before its response (nginx's convention)."""
+_ENDPOINTS = frozenset(
+    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/workers"]
+)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    """Address uvicorn binds."""
+    port: int = 8000
+    """HTTP port."""
+    model: str | None = None
+    """A .gguf file or a Llama safetensors directory (for the tokenizer and the registry's key
+    space); None is the default SmolLM2 GGUF."""
+    served_model_name: str | None = None
+    """The name clients send as ``model``; None is the model's own name (``SmolLM2-135M-Instruct``)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """The Redis that holds the worker registry."""
+    request_timeout_s: float = 600.0
+    """Deadline of one decode request on its worker."""
+    registry_refresh_s: float = 0.5
+    """How long the router reuses the decode worker list it read from Redis."""
+    max_choices: int = 128
+    """Most choices (prompts x ``n``) one request may ask for."""
+    log_level: str = "info"
+    """uvicorn's log level."""
+
+
+class Gateway:
+    """What the routes share: the tokenizer, the router, the dispatcher and the metrics."""
+
+    def __init__(self, config: GatewayConfig, tokenizer, registry_model: str, router: Router) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.registry_model = registry_model
+        self.served_model = config.served_model_name or registry_model
+        self.router = router
+        self.metrics = GatewayMetrics(self.served_model)
+        self.dispatcher = Dispatcher(router, self.metrics, config.request_timeout_s)
+        self.token_text = TokenText(tokenizer)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model:
+            raise model_not_found(model)
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.config.max_choices:
+            raise bad_request(f"at most {self.config.max_choices} choices (prompts x n) per request", "n")
+
+    async def encode_prompts(self, prompt: str | list) -> list[list[int]]:
+        """A completion request's prompt(s) as token ids: a string, token ids, or a list of either."""
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items:
+            items = [[]]
+        ids = [await self._encode(p) if isinstance(p, str) else list(p) for p in items]
+        for one in ids:
+            check_prompt_ids(one, "prompt")
+        return ids
+
+    async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template applied and encoded exactly as ``LLM.chat`` does."""
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        ids = await self._encode(text)
+        check_prompt_ids(ids, "messages")
+        return ids
+
+    async def _encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def respond(
+        self,
+        request: Request,
+        builder: ResponseBuilder,
+        subs: list[SubRequest],
+        arrival: float,
+        stream: bool,
+        prompt_param: str,
+    ) -> Response:
+        chunks = self.dispatcher.merged(subs, arrival, prompt_param)
+        try:
+            if not stream:
+                await unless_disconnected(request, collect(builder, chunks))
+                return JSONResponse(builder.response())
+            # The first chunk is awaited before the headers go out, so that a request the worker
+            # rejects (a prompt too long, no worker) is a 4xx/5xx, not a 200 with an error event.
+            first = await unless_disconnected(request, anext(chunks, None))
+        except ClientGone:
+            await chunks.aclose()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return SSEResponse(
+            events(builder, first, chunks), cleanup=chunks.aclose, headers={"Cache-Control": "no-cache"}
+        )
+
+
+class RequestIdMiddleware:
+    """Takes the client's ``X-Request-Id`` or makes one, exposes it as ``request.state.request_id``
+    (and ``request.state.worker_request_id``, the base of the ids the workers see),
+    returns it on every response, and counts responses by endpoint and status."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.lower().encode(), b"").decode("latin-1")
+        valid = 0 < len(given) <= 128 and given.isprintable()
+        request_id = given if valid else uuid.uuid4().hex
+        # Two requests with one id would collide on a worker (the second is refused, and its abort
+        # would end the first), so a client's id gets a random suffix there; ours are unique.
+        worker_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if valid else request_id
+        scope.setdefault("state", {}).update(request_id=request_id, worker_request_id=worker_id)
+        endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+                self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app. Loads the tokenizer; Redis and the workers are reached on first use."""
+    import redis
+
+    from baton.common.index.registry import WorkerRegistry
+    from baton.common.model.source import ModelSource, load_tokenizer
+
+    source = ModelSource.resolve(config.model)
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    # The TTL only matters to writers; the gateway reads.
+    router = Router(WorkerRegistry(client, source.name, ttl_s=6.0), config.registry_refresh_s)
+    gw = Gateway(config, load_tokenizer(source), source.name, router)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await router.close()
+        await asyncio.to_thread(client.close)
+
+    app = FastAPI(title="Baton gateway", lifespan=lifespan)
+    app.state.gateway = gw
+    app.add_middleware(RequestIdMiddleware, metrics=gw.metrics)
+    _add_error_handlers(app)
+    _add_generation_routes(app, gw)
+    _add_service_routes(app, gw)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error(validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+
+def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        gw.check_model(body.model)
+        body.check_supported()
+        params = body.sampling_params()
+        prompts = await gw.encode_prompts(body.prompt)
+        gw.check_choices(len(prompts), params.n)
+        request_id = request.state.request_id
+        subs = fan_out(request.state.worker_request_id, prompts, params)
+        builder = CompletionBuilder(
+            request_id, gw.served_model, subs, gw.token_text, body.logprobs is not None, body.include_usage
+        )
+        return await gw.respond(request, builder, subs, arrival, body.stream, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        gw.check_model(body.model)
+        params = body.sampling_params()
+        gw.check_choices(1, params.n)
+        ids = await gw.encode_chat(body)
+        request_id = request.state.request_id
+        subs = fan_out(request.state.worker_request_id, [ids], params)
+        builder = ChatBuilder(
+            request_id, gw.served_model, subs, gw.token_text, body.logprobs, body.include_usage
+        )
+        return await gw.respond(request, builder, subs, arrival, body.stream, "messages")
+
+
+def _add_service_routes(app: FastAPI, gw: Gateway) -> None:
+    def model_card() -> dict:
+        return {"id": gw.served_model, "object": "model", "created": gw.created, "owned_by": "baton"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        gw.check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        try:
+            decode = await gw.router.list_workers("decode")
+        except Exception as e:  # noqa: BLE001 - an unreachable registry is "not ready", not a crash
+            return JSONResponse({"status": "not ready", "reason": f"registry: {e}"}, status_code=503)
+        if not decode:
+            return JSONResponse({"status": "not ready", "reason": "no decode worker"}, status_code=503)
+        return JSONResponse({"status": "ready", "decode_workers": len(decode)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/workers")
+    async def workers() -> dict:
+        try:
+            found = await gw.router.list_workers()
+        except Exception as e:  # noqa: BLE001 - Redis down: say so in the API's shape
+            raise unavailable(
+                f"the worker registry is unreachable: {e}", code="registry_unavailable"
+            ) from None
+        return {"workers": [w.to_dict() for w in found]}
+
+
+def make_server(config: GatewayConfig) -> uvicorn.Server:
+    """A uvicorn server around ``create_app(config)``; ``serve()`` runs it, tests drive it directly."""
+    app = create_app(config)
+    return uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on")
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers) or cancellation."""
+    await make_server(config).serve()

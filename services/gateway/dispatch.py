@@ -1,0 +1,170 @@
+"""Sends decode requests to workers and merges their token streams.
+
+One HTTP request becomes one decode request per choice (prompts x ``n``); their ``GenerateChunk``
+streams are merged by choice index. Closing a stream (a client that went away) cancels its gRPC
+calls, and the worker aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+import grpc
+
+from baton.common.api.convert import params_to_proto
+from baton.common.engine.sampling_params import SamplingParams
+from baton.protos import baton_pb2
+from baton.services.gateway.errors import APIError, bad_request, unavailable
+from baton.services.gateway.metrics import GatewayMetrics
+from baton.services.gateway.router import NoWorkerError, Router
+
+MAX_ATTEMPTS = 3
+"""Workers tried for one decode request when they are unreachable before the first token."""
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One decode request: one choice of one prompt."""
+
+    index: int
+    """The choice's index in the response (``prompt_index * n + j``)."""
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def fan_out(request_id: str, prompts: Sequence[list[int]], params: SamplingParams) -> list[SubRequest]:
+    """``n`` decode requests per prompt; with a seed, choice ``j`` gets ``seed + j`` (as ``LLM`` does).
+    A single choice keeps ``request_id``; several get ``request_id-<index>``."""
+    single = len(prompts) * params.n == 1
+    subs = []
+    for p, ids in enumerate(prompts):
+        for j in range(params.n):
+            index = p * params.n + j
+            seed = None if params.seed is None else params.seed + j
+            subs.append(
+                SubRequest(
+                    index=index,
+                    prompt_index=p,
+                    request_id=request_id if single else f"{request_id}-{index}",
+                    prompt_token_ids=ids,
+                    params=replace(params, n=1, seed=seed),
+                )
+            )
+    return subs
+
+
+def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
+    """The client's view of a failed call to a worker."""
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        word = details.split(" ", 1)[0]
+        return bad_request(details, param=prompt_param if word == "prompt" else None)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return unavailable(f"decode worker unavailable: {details}", code="worker_unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, "the request timed out", type="timeout")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(429, details, type="rate_limit_error")
+    return APIError(500, f"decode worker error ({code.name}): {details}", type="server_error")
+
+
+class Dispatcher:
+    """Runs decode requests on the workers the router picks."""
+
+    def __init__(self, router: Router, metrics: GatewayMetrics, timeout_s: float) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+
+    async def merged(
+        self, subs: Sequence[SubRequest], arrival: float, prompt_param: str
+    ) -> AsyncGenerator[tuple[int, baton_pb2.GenerateChunk], None]:
+        """``(choice index, chunk)`` from every decode request, as they arrive. Errors raise
+        ``APIError``; leaving early cancels every call."""
+        streams = [self.stream(s, arrival, prompt_param) for s in subs]
+        if len(streams) == 1:
+            async for chunk in streams[0]:
+                yield subs[0].index, chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[baton_pb2.GenerateChunk]) -> None:
+            try:
+                async for chunk in stream:
+                    queue.put_nowait((index, chunk, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                queue.put_nowait((index, None, e))
+                return
+            queue.put_nowait((index, None, None))
+
+        tasks = [asyncio.create_task(pump(s.index, st)) for s, st in zip(subs, streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    remaining -= 1
+                    continue
+                yield index, chunk
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stream(
+        self, sub: SubRequest, arrival: float, prompt_param: str
+    ) -> AsyncIterator[baton_pb2.GenerateChunk]:
+        """One decode request's chunks. A worker that is unreachable before the first chunk is
+        left out and another one tried."""
+        request = baton_pb2.GenerateRequest(
+            request_id=sub.request_id,
+            prompt_token_ids=sub.prompt_token_ids,
+            params=params_to_proto(sub.params),
+        )
+        tried: list[str] = []
+        while True:
+            try:
+                worker = await self._router.pick_decode(exclude=tried)
+            except NoWorkerError as e:
+                raise unavailable(str(e), code="no_decode_worker") from None
+            address = worker.grpc_address
+            call = self._router.decode_stub(address).Generate(request, timeout=self._timeout_s)
+            last: float | None = None
+            try:
+                with self._router.track(address), self._metrics.in_flight.track_inprogress():
+                    async for chunk in call:
+                        last = self._observe(chunk, arrival, last)
+                        yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                unreached = e.code() == grpc.StatusCode.UNAVAILABLE and last is None
+                if unreached and len(tried) < MAX_ATTEMPTS - 1:
+                    self._router.forget(address)
+                    tried.append(address)
+                    continue
+                raise rpc_error(e, prompt_param) from None
+            finally:
+                call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
+
+    def _observe(self, chunk: baton_pb2.GenerateChunk, arrival: float, last: float | None) -> float | None:
+        """Record a chunk's latencies and counts; returns the time of the latest token."""
+        m, now = self._metrics, time.perf_counter()
+        if chunk.finish_reason:
+            m.latency.e2e.observe(now - arrival)
+            m.finished(chunk.finish_reason)
+        if not chunk.token_ids:
+            return last
+        if last is None:
+            m.latency.ttft.observe(now - arrival)
+            m.prompt_tokens.inc(chunk.num_prompt_tokens)
+        else:
+            m.latency.itl.observe(now - last)
+        m.generation_tokens.inc(len(chunk.token_ids))
+        return now

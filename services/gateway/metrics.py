@@ -1,0 +1,45 @@
+"""The gateway's Prometheus metrics: latencies as a client sees them, request and token counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from baton.common.metrics import RequestMetrics
+
+
+class GatewayMetrics:
+    """Owns the gateway's ``CollectorRegistry``. TTFT, ITL and end-to-end latency are observed per
+    decode request (one per choice), from the HTTP request's arrival."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.latency = RequestMetrics(self.registry, labels)
+        self.http_requests = Counter(
+            "baton:http_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "baton:request_success",
+            "Decode requests that finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "baton:prompt_tokens", "Prompt tokens sent to workers.", ["model_name"], registry=self.registry
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "baton:generation_tokens", "Tokens streamed back.", ["model_name"], registry=self.registry
+        ).labels(**labels)
+        self.in_flight = Gauge(
+            "baton:gateway_requests_in_flight",
+            "Decode requests this gateway is waiting on.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(**labels)
+        self._model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(model_name=self._model_name, finished_reason=reason or "unknown").inc()

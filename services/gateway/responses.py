@@ -1,0 +1,241 @@
+"""Worker chunks -> OpenAI responses: ``text_completion`` and ``chat.completion`` bodies, their
+streamed ``chunk`` forms, ``usage`` and ``logprobs``.
+
+Only the chosen token's log-probability travels from the engine; ``top_logprobs`` come back empty.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.protos import baton_pb2
+from baton.services.gateway.dispatch import SubRequest
+
+Json = dict[str, Any]
+
+
+def sse(obj: Json | str) -> str:
+    """One server-sent event."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class TokenText:
+    """The text of single token ids (as OpenAI's logprobs show them), decoded once each."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has received so far."""
+
+    index: int
+    counts_prompt: bool
+    """The first choice of its prompt: its cached-token figure goes into ``usage``."""
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    num_cached_tokens: int = 0
+    text_offset: int = 0
+    """Characters of the token texts reported so far (completions' ``logprobs.text_offset``)."""
+
+    def add(self, chunk: baton_pb2.GenerateChunk) -> None:
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason or None
+
+
+class ResponseBuilder:
+    """One response's state. ``add`` each chunk; then either ``response()`` (non-streaming) or the
+    ``*_chunk(s)`` methods as chunks arrive (streaming)."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        subs: Sequence[SubRequest],
+        token_text: TokenText,
+        logprobs: bool,
+        include_usage: bool = False,
+    ) -> None:
+        self.id = f"{self.id_prefix}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.want_logprobs = logprobs
+        self.include_usage = include_usage
+        self.prompt_lengths = {s.prompt_index: len(s.prompt_token_ids) for s in subs}
+        firsts = {
+            s.prompt_index: min(t.index for t in subs if t.prompt_index == s.prompt_index) for s in subs
+        }
+        self.choices = {s.index: ChoiceState(s.index, firsts[s.prompt_index] == s.index) for s in subs}
+
+    def add(self, index: int, chunk: baton_pb2.GenerateChunk) -> ChoiceState:
+        choice = self.choices[index]
+        choice.add(chunk)
+        return choice
+
+    def usage(self) -> Json:
+        prompt = sum(self.prompt_lengths.values())
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        cached = sum(c.num_cached_tokens for c in self.choices.values() if c.counts_prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _envelope(self, obj: str, choices: list[Json]) -> Json:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def response(self) -> Json:
+        choices = [self._final_choice(self.choices[i]) for i in sorted(self.choices)]
+        return {**self._envelope(self.object_name, choices), "usage": self.usage()}
+
+    def chunk(self, choices: list[Json]) -> Json:
+        body = self._envelope(self.chunk_object, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> Json:
+        return {**self._envelope(self.chunk_object, []), "usage": self.usage()}
+
+    def start_chunks(self) -> list[Json]:
+        return []
+
+    def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
+        raise NotImplementedError
+
+    def _final_choice(self, choice: ChoiceState) -> Json:
+        raise NotImplementedError
+
+
+class CompletionBuilder(ResponseBuilder):
+    id_prefix = "cmpl"
+    object_name = chunk_object = "text_completion"
+
+    def _logprobs(
+        self, choice: ChoiceState, token_ids: Sequence[int], logprobs: Sequence[float]
+    ) -> Json | None:
+        if not self.want_logprobs:
+            return None
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+    def _final_choice(self, choice: ChoiceState) -> Json:
+        return {
+            "index": choice.index,
+            "text": "".join(choice.text),
+            "logprobs": self._logprobs(choice, choice.token_ids, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
+        if not (chunk.text or chunk.finish_reason or (self.want_logprobs and chunk.token_ids)):
+            return None
+        return self.chunk(
+            [
+                {
+                    "index": choice.index,
+                    "text": chunk.text,
+                    "logprobs": self._logprobs(choice, chunk.token_ids, chunk.logprobs),
+                    "finish_reason": chunk.finish_reason or None,
+                    "stop_reason": (chunk.stop_reason or None) if chunk.finish_reason else None,
+                }
+            ]
+        )
+
+
+class ChatBuilder(ResponseBuilder):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> Json | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            text = self.token_text(t)
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": content}
+
+    def _final_choice(self, choice: ChoiceState) -> Json:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    def start_chunks(self) -> list[Json]:
+        """The first chunk of every choice names the role, as OpenAI's do."""
+        return [
+            self.chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in sorted(self.choices)
+        ]
+
+    def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
+        if not (chunk.text or chunk.finish_reason or (self.want_logprobs and chunk.token_ids)):
+            return None
+        return self.chunk(
+            [
+                {
+                    "index": choice.index,
+                    "delta": {"content": chunk.text} if chunk.text else {},
+                    "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs),
+                    "finish_reason": chunk.finish_reason or None,
+                }
+            ]
+        )

@@ -1,0 +1,94 @@
+"""``baton up``: Redis (embedded unless ``REDIS_URL``), decode workers and the gateway as separate
+processes; waits until the gateway is ready, prints its URL, and on Ctrl-C or SIGTERM stops them
+all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    decode: int = 1
+    """Decode workers to start."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """The gateway's port."""
+    engine_args: tuple[str, ...] | list[str] = ()
+    """Engine flags passed to every worker."""
+    model: str | None = None
+    ready_timeout_s: float = 300.0
+    log_dir: str | None = None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signum)
+
+
+def run_cluster(cfg: UpConfig) -> int:
+    from baton.common.index.server import EmbeddedRedis
+
+    if cfg.decode < 1:
+        print("error: --decode must be at least 1", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    redis = None
+    group = ProcessGroup()
+    try:
+        url = os.environ.get("REDIS_URL")
+        if not url:
+            redis = EmbeddedRedis()
+            url = redis.start()
+        if cfg.log_dir:
+            os.makedirs(cfg.log_dir, exist_ok=True)
+
+        def log(name: str) -> str | None:
+            return os.path.join(cfg.log_dir, f"{name}.log") if cfg.log_dir else None
+
+        for i in range(cfg.decode):
+            args = [*baton_command(), "decode", "--host", cfg.host, "--redis-url", url, *cfg.engine_args]
+            group.spawn(f"decode-{i}", args, log_path=log(f"decode-{i}"))
+        gateway = [
+            *baton_command(),
+            "gateway",
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.port),
+            "--redis-url",
+            url,
+        ]
+        if cfg.model:
+            gateway += ["--model", cfg.model]
+        group.spawn("gateway", gateway, log_path=log("gateway"))
+        base = f"http://{cfg.host}:{cfg.port}"
+        wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
+        print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
+        while True:
+            dead = group.dead()
+            if dead:
+                print(f"error: a service exited: {dead}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except _Stop:
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        group.stop()
+        if redis is not None:
+            redis.stop()
