@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+PORT ?= 8000
 
 .PHONY: install run test lint bench clean
 
@@ -18,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: install
-	$(VENV)/bin/baton generate --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
+	$(VENV)/bin/baton up --port $(PORT)
 
 test: install
 	$(PY) -m pytest -q
