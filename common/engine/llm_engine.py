@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -239,8 +238,3 @@ class _DefaultingMap(dict):
     def get(self, key, default=None):
         return super().get(key, self._default)
 
-
-def timed_step(engine: LLMEngine) -> tuple[list[RequestOutput], float]:
-    t = time.perf_counter()
-    out = engine.step()
-    return out, time.perf_counter() - t

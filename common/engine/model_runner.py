@@ -31,6 +31,14 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _pad_tables(tables: list[tuple[int, ...]]) -> np.ndarray:
+    """Block tables as one zero-padded [len(tables), longest] int32 array."""
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=1)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [N]
@@ -76,23 +84,17 @@ class ModelRunner:
                         start=start_row,
                         end=start_row + n,
                         context_len=r.start_pos + n,
-                        block_table=torch.tensor(table, dtype=torch.int32),
+                        block_table=table,
                     )
                 )
             if r.sample:
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(r.request_id)
         nd = len(decode_lens)
-        width = max((len(t) for t in decode_tables), default=1)
-        table_np = np.zeros((nd, width), dtype=np.int32)
-        for i, t in enumerate(decode_tables):
-            table_np[i, : len(t)] = t
+        table_np = _pad_tables(decode_tables)
         dev = self.device
         fresh_runs, context_prefills = plan_prefills(tuple(prefills))
-        pwidth = max((p.block_table.numel() for p in prefills), default=1)
-        ptables = np.zeros((len(prefills), pwidth), dtype=np.int32)
-        for i, p in enumerate(prefills):
-            ptables[i, : p.block_table.numel()] = p.block_table.numpy()
+        ptables = _pad_tables([p.block_table for p in prefills])
         qsl = [p.start for p in prefills] + [prefills[-1].end] if prefills else [0]
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),

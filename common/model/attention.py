@@ -27,8 +27,8 @@ class PrefillSegment:
     end: int
     context_len: int
     """Tokens cached for the sequence once this chunk is written (prior + chunk)."""
-    block_table: torch.Tensor
-    """[num_blocks] int32 blocks of the sequence."""
+    block_table: tuple[int, ...]
+    """Blocks of the sequence."""
 
     @property
     def num_prior(self) -> int:
@@ -137,8 +137,9 @@ def _sdpa_prefill(
         out[rows] = o.transpose(1, 2).reshape(-1, num_heads, q.shape[2])
     for seg in meta.context_prefills:
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        ks = gather_kv(k_cache, seg.block_table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
-        vs = gather_kv(v_cache, seg.block_table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
+        table = torch.tensor(seg.block_table, dtype=torch.int32)
+        ks = gather_kv(k_cache, table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
+        vs = gather_kv(v_cache, table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
         pos_q = torch.arange(seg.num_prior, seg.context_len).view(-1, 1)
         visible = torch.arange(seg.context_len).view(1, -1) <= pos_q  # [T, S]
         mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))

@@ -1,0 +1,375 @@
+"""KV transport over UCX (the ``ucxx`` package): shared memory / CMA or TCP on a host, CUDA IPC or
+RDMA between GPUs, whatever ``UCX_TLS`` allows (default: all).
+
+Connection: the receiver publishes its UCX *worker address*; the sender opens an endpoint to it.
+Not a listener: endpoints accepted by a ucxx listener always carry peer error handling, which
+limits them to TCP (~1 GB/s on loopback); worker-address endpoints without it may use shared memory
+and cross-memory attach (~5-11 GB/s here). The price is that UCX does not report a dead peer: the
+receiver's deadlines do.
+
+Messages: every message has its own tag, ``stream << 32 | seq``, so a receive posted for a message
+can only ever match that message. A 24-byte preamble goes to the receiver's control tag (named in
+its descriptor), then the header and one payload per run on the message's tag. Payloads are sent
+from and received into slices of the caches themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from baton.common.transfer.base import (
+    KVReceiver,
+    KVSender,
+    TransferConfig,
+    TransferDescriptor,
+    TransferError,
+    TransferHandle,
+    TransferStats,
+)
+from baton.common.transfer.blocks import as_block_bytes
+from baton.common.transfer.bookkeeping import Counters, ExpectedTransfers, SendLedger
+from baton.common.transfer.wire import (
+    KIND_DATA,
+    PREAMBLE_BYTES,
+    Preamble,
+    Run,
+    check_block_ids,
+    decode_header,
+    decode_preamble,
+    encode_preamble,
+    plan_message,
+)
+
+logger = logging.getLogger(__name__)
+
+# UCX and ucxx read these when the context is created; the user's environment wins.
+UCX_ENV_DEFAULTS = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # "No Futures available" warnings whenever more requests are posted than the notifier thread
+    # pre-allocated: harmless, and a burst of them per fragmented transfer.
+    "UCXX_LOG_LEVEL": "ERROR",
+}
+SWEEP_PERIOD_S = 0.05
+_ADDRESS_HEAD = struct.Struct("<I")  # the receiver's control stream, then its worker address
+
+
+class UcxRuntime:
+    """The process's ucxx context and the event loop thread that drives it.
+
+    ucxx keeps one global context per process, bound to one asyncio loop (its notifier thread
+    completes requests on that loop), so every receiver and sender in a process shares this
+    object; it starts with the first ``acquire`` and stops with the last ``release``. Progress is
+    ucxx's "thread" mode with Python futures: the default mode busy-polls a core while idle.
+    """
+
+    _lock = threading.Lock()
+    _current: UcxRuntime | None = None
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="baton-ucx", daemon=True)
+
+    @classmethod
+    def acquire(cls) -> UcxRuntime:
+        with cls._lock:
+            if cls._current is None:
+                runtime = cls()
+                runtime._start()
+                cls._current = runtime
+            cls._current._users += 1
+            return cls._current
+
+    def release(self) -> None:
+        with UcxRuntime._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            UcxRuntime._current = None
+        self._stop()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> Future:
+        """Run ``coro`` on the loop thread; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+        """Run ``coro`` on the loop thread and wait for its result (never from the loop thread)."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError as e:
+            future.cancel()
+            raise TransferError(f"UCX operation timed out after {timeout_s} s") from e
+
+    def _start(self) -> None:
+        for key, value in UCX_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        self._thread.start()
+        self.call(self._init(), 30.0)
+
+    @staticmethod
+    async def _init() -> None:
+        import ucxx
+
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+
+    @staticmethod
+    async def _reset() -> None:
+        import ucxx
+
+        ucxx.stop_notifier_thread()
+        try:
+            ucxx.reset()
+        except Exception as e:  # objects still alive somewhere: the context outlives us, harmlessly
+            logger.warning("ucxx.reset: %s", e)
+
+    def _stop(self) -> None:
+        try:
+            self.call(self._reset(), 10.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+def _buffers(cache: torch.Tensor) -> Any:
+    """``[num_blocks, bytes_per_block]`` buffer over the cache that ucxx can read and write."""
+    blocks = as_block_bytes(cache)
+    return blocks.numpy() if blocks.device.type == "cpu" else blocks  # CUDA: __cuda_array_interface__
+
+
+def _stream_id() -> int:
+    return secrets.randbelow(2**32 - 1) + 1
+
+
+def _encode_address(control_stream: int, worker_address: bytes) -> str:
+    return base64.b64encode(_ADDRESS_HEAD.pack(control_stream) + worker_address).decode()
+
+
+def _decode_address(address: str) -> tuple[int, bytes]:
+    raw = base64.b64decode(address)
+    (control_stream,) = _ADDRESS_HEAD.unpack_from(raw)
+    return control_stream, raw[_ADDRESS_HEAD.size :]
+
+
+class UcxReceiver(KVReceiver):
+    """Receives messages on the shared UCX loop into the destination blocks of ``cache``."""
+
+    def __init__(self, config: TransferConfig, cache: torch.Tensor) -> None:
+        self.config = config
+        self._cache = cache
+        self._counters = Counters()
+        self._table = ExpectedTransfers(config.timeout_s, self._counters)
+        self._runtime: UcxRuntime | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._control_tag = 0
+
+    def start(self) -> TransferDescriptor:
+        if self._runtime is not None:
+            raise RuntimeError("receiver already started")
+        self._buffers = _buffers(self._cache)
+        self._block_bytes = self._buffers.shape[1]
+        control_stream = _stream_id()
+        self._control_tag = control_stream << 32
+        self._runtime = UcxRuntime.acquire()
+        worker_address = self._runtime.call(self._open(), self.config.timeout_s)
+        address = _encode_address(control_stream, worker_address)
+        return TransferDescriptor("ucx", host=self.config.host, port=0, address=address)
+
+    def expect(
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> TransferHandle:
+        ids = check_block_ids(dst_block_ids, len(self._cache), "destination")
+        return self._table.expect(transfer_id, ids, timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._table.cancel(transfer_id)
+
+    def stats(self) -> TransferStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        runtime, self._runtime = self._runtime, None
+        if runtime is None:
+            return
+        try:
+            runtime.call(self._shut(), 10.0)
+        finally:
+            self._table.close(TransferError("receiver closed"))
+            runtime.release()
+
+    # -- on the loop thread --------------------------------------------------------------------
+    async def _open(self) -> bytes:
+        import ucxx
+
+        self._spawn(self._control_loop())
+        self._spawn(self._sweep_loop())
+        return bytes(ucxx.get_worker_address())
+
+    async def _shut(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            self._table.sweep()
+            await asyncio.sleep(SWEEP_PERIOD_S)
+
+    async def _control_loop(self) -> None:
+        import ucxx
+
+        while True:
+            buf = bytearray(PREAMBLE_BYTES)
+            await ucxx.recv(buf, self._control_tag)
+            try:
+                preamble = decode_preamble(buf)
+            except ValueError as e:
+                logger.error("dropping a malformed KV preamble: %s", e)
+                continue
+            if preamble.kind == KIND_DATA:
+                self._spawn(self._receive(preamble))
+
+    async def _receive(self, preamble: Preamble) -> None:
+        import ucxx
+
+        tag = preamble.tag
+        raw = bytearray(preamble.header_len)
+        try:
+            await asyncio.wait_for(ucxx.recv(raw, tag), self.config.timeout_s)
+            header = decode_header(raw)
+        except (Exception, asyncio.TimeoutError) as e:
+            logger.error("KV message %#x: no header: %r", tag, e)
+            return
+        dst = header.dst_block_ids()
+        landing = self._table.claim(header.transfer_id, dst, peer=tag >> 32)
+        targets = [self._target(start, count, landing) for start, count in header.runs]
+        nbytes = len(dst) * self._block_bytes
+        started = time.perf_counter()
+        error = None
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(ucxx.recv(t, tag) for t in targets)), self.config.timeout_s
+            )
+        except (Exception, asyncio.CancelledError) as e:
+            error = TransferError(f"receiving transfer {header.transfer_id!r}: {e!r}")
+        if landing:
+            self._table.landed(header.transfer_id, dst, nbytes, time.perf_counter() - started, error)
+        else:
+            self._table.drop(nbytes)
+
+    def _target(self, start: int, count: int, landing: bool) -> Any:
+        if landing:
+            return self._buffers[start : start + count]
+        return bytearray(count * self._block_bytes)  # scratch for a message nobody expects
+
+
+class UcxSender(KVSender):
+    """Sends messages from the source blocks of ``cache`` to one receiver."""
+
+    def __init__(self, config: TransferConfig, cache: torch.Tensor) -> None:
+        self.config = config
+        self._cache = cache
+        self._counters = Counters()
+        self._ledger = SendLedger()
+        self._runtime: UcxRuntime | None = None
+        self._endpoint: Any = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._broken: TransferError | None = None
+
+    def connect(self, descriptor: TransferDescriptor) -> None:
+        if descriptor.backend != "ucx":
+            raise ValueError(f"descriptor is for backend {descriptor.backend!r}, not 'ucx'")
+        if self._runtime is not None:
+            raise RuntimeError("sender already connected")
+        control_stream, worker_address = _decode_address(descriptor.address)
+        self._buffers = _buffers(self._cache)
+        self._control_tag = control_stream << 32
+        self._stream = _stream_id()
+        self._runtime = UcxRuntime.acquire()
+        try:
+            self._endpoint = self._runtime.call(self._open(worker_address), self.config.timeout_s)
+        except Exception as e:
+            self.close()
+            raise TransferError(f"connecting to the KV receiver: {e!r}") from e
+
+    def send(
+        self, transfer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
+    ) -> TransferHandle:
+        runs, header = plan_message(transfer_id, src_block_ids, dst_block_ids, len(self._cache))
+        handle = TransferHandle(transfer_id)
+        self._ledger.add(handle)
+        with self._lock:
+            self._seq = self._seq % (2**32 - 1) + 1
+            tag = self._stream << 32 | self._seq
+            broken, runtime = self._broken, self._runtime
+        if broken is not None or runtime is None:
+            handle.set_error(broken or TransferError("sender is not connected"))
+            return handle
+        runtime.submit(self._send(tag, header, runs, handle))
+        return handle
+
+    def finish(self, transfer_id: str) -> TransferHandle:
+        return self._ledger.finish(transfer_id)
+
+    def stats(self) -> TransferStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        runtime, self._runtime = self._runtime, None
+        if runtime is None:
+            return
+        try:
+            if self._endpoint is not None:
+                runtime.call(self._endpoint.close(), 10.0)
+        finally:
+            self._endpoint = None
+            runtime.release()
+
+    # -- on the loop thread --------------------------------------------------------------------
+    @staticmethod
+    async def _open(worker_address: bytes) -> Any:
+        import ucxx
+
+        address = ucxx.get_ucx_address_from_buffer(worker_address)
+        return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+
+    async def _send(self, tag: int, header: bytes, runs: list[Run], handle: TransferHandle) -> None:
+        preamble = encode_preamble(Preamble(KIND_DATA, tag, len(header)))
+        payloads = [self._buffers[r.src : r.src + r.count] for r in runs]
+        nbytes = sum(p.nbytes for p in payloads)
+        started = time.perf_counter()
+        ep = self._endpoint
+        try:
+            sends = [ep.send(preamble, tag=self._control_tag, force_tag=True)]
+            sends += [ep.send(header, tag=tag, force_tag=True)]
+            sends += [ep.send(p, tag=tag, force_tag=True) for p in payloads]
+            await asyncio.wait_for(asyncio.gather(*sends), self.config.timeout_s)
+        except (Exception, asyncio.CancelledError) as e:
+            error = TransferError(f"sending transfer {handle.transfer_id!r}: {e!r}")
+            with self._lock:
+                self._broken = self._broken or error
+            self._counters.add(transfers_failed=1)
+            handle.set_error(error)
+            return
+        self._counters.add(bytes=nbytes, seconds=time.perf_counter() - started, transfers_ok=1)
+        handle.set_result(nbytes)
