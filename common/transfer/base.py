@@ -76,6 +76,7 @@ class TransferStats:
     seconds: float = 0.0
     """Wall time spent moving payload (per message, summed)."""
     transfers_ok: int = 0
+    """Receiver: transfers completed. Sender: ``send`` calls completed."""
     transfers_failed: int = 0
     dropped_bytes: int = 0
     """Receiver: payload that arrived for an unknown, cancelled or expired transfer, discarded."""
@@ -179,7 +180,8 @@ class KVReceiver(ABC):
         into scratch memory and dropped, never into the cache.
       * The handle completes once every block of ``dst_block_ids`` has landed, in any order and in
         any number of messages. It fails after ``timeout_s`` (config default), on ``cancel``, on
-        ``close``, or as soon as the transport sees the sending peer die.
+        ``close``, or when the transport sees the peer that was writing it die (nccl/gloo: at once;
+        ucx does not report dead peers, so there the deadline does it).
       * A failed or cancelled transfer's handle completes only once no message is still being
         written into its blocks (bounded by ``timeout_s`` more): release the blocks after that.
       * Only blocks named in ``expect`` are ever written.

@@ -35,10 +35,24 @@ class SendLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handles: dict[str, list[TransferHandle]] = {}
+        self._open: set[TransferHandle] = set()
 
     def add(self, handle: TransferHandle) -> None:
         with self._lock:
             self._handles.setdefault(handle.transfer_id, []).append(handle)
+            self._open.add(handle)
+        handle.add_done_callback(self._closed)
+
+    def fail_all(self, error: TransferError) -> None:
+        """Fail every send not done yet (the sender is closing)."""
+        with self._lock:
+            handles = list(self._open)
+        for handle in handles:
+            handle.set_error(error)
+
+    def _closed(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._open.discard(handle)
 
     def finish(self, transfer_id: str) -> TransferHandle:
         with self._lock:
@@ -105,13 +119,16 @@ class ExpectedTransfers:
             if entry is None or entry.error is not None:
                 return False
             entry.peers.add(peer)
-            if not ids <= entry.remaining or len(ids) != len(dst_block_ids):
-                self._fail_locked(entry, TransferError(f"transfer {transfer_id!r}: unexpected blocks"))
-                return False
-            entry.remaining -= ids
-            entry.writing |= ids
-            entry.inflight += 1
-            return True
+            if ids <= entry.remaining and len(ids) == len(dst_block_ids):
+                entry.remaining -= ids
+                entry.writing |= ids
+                entry.inflight += 1
+                return True
+            now = time.monotonic()
+            self._fail_locked(entry, TransferError(f"transfer {transfer_id!r}: unexpected blocks"), now)
+            done = self._settle_locked(entry, now)
+        self._complete(done)
+        return False
 
     def landed(
         self,
@@ -129,12 +146,13 @@ class ExpectedTransfers:
                 return
             entry.inflight -= 1
             entry.writing -= set(dst_block_ids)
+            now = time.monotonic()
             if error is None:
                 entry.nbytes += nbytes
                 self._counters.add(bytes=nbytes, seconds=seconds)
             else:
-                self._fail_locked(entry, error)
-            done = self._settle_locked(entry, time.monotonic())
+                self._fail_locked(entry, error, now)
+            done = self._settle_locked(entry, now)
         self._complete(done)
 
     def drop(self, nbytes: int) -> None:
@@ -159,7 +177,7 @@ class ExpectedTransfers:
             for entry in list(self._pending.values()):
                 if entry.error is None and now >= entry.deadline:
                     tid = entry.handle.transfer_id
-                    self._fail_locked(entry, TransferError(f"transfer {tid!r} timed out"))
+                    self._fail_locked(entry, TransferError(f"transfer {tid!r} timed out"), now)
                 done.append(self._settle_locked(entry, now))
         for item in done:
             self._complete(item)
@@ -175,15 +193,15 @@ class ExpectedTransfers:
         with self._lock:
             for tid, entry in list(self._pending.items()):
                 if match(tid, entry):
-                    self._fail_locked(entry, error)
+                    self._fail_locked(entry, error, now)
                     done.append(self._settle_locked(entry, now))
         for item in done:
             self._complete(item)
 
-    def _fail_locked(self, entry: _Expected, error: TransferError) -> None:
+    def _fail_locked(self, entry: _Expected, error: TransferError, now: float) -> None:
         if entry.error is None:
             entry.error = error
-            entry.hard_deadline = time.monotonic() + self._timeout_s
+            entry.hard_deadline = now + self._timeout_s
 
     def _settle_locked(
         self, entry: _Expected, now: float

@@ -69,7 +69,7 @@ def make_pair_group(store: Any, rank: int, config: TransferConfig, device: torch
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host)]
     return dist.ProcessGroupGloo(store, rank, 2, options)
@@ -275,8 +275,9 @@ class NcclSender(KVSender):
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._queue.put(None)
+        self._queue.put(None)  # queued sends go first, then the goodbye
         thread.join(self.config.timeout_s + 1.0)
+        self._ledger.fail_all(TransferError("sender closed"))
         self._group = None
 
     # -- internals -----------------------------------------------------------------------------

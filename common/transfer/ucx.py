@@ -239,12 +239,15 @@ class UcxReceiver(KVReceiver):
 
         while True:
             buf = bytearray(PREAMBLE_BYTES)
-            await ucxx.recv(buf, self._control_tag)
             try:
+                await ucxx.recv(buf, self._control_tag)
                 preamble = decode_preamble(buf)
             except ValueError as e:
                 logger.error("dropping a malformed KV preamble: %s", e)
                 continue
+            except Exception as e:  # the UCX worker is gone: nothing more will arrive
+                logger.error("KV receiver stopped: %r", e)
+                return
             if preamble.kind == KIND_DATA:
                 self._spawn(self._receive(preamble))
 
@@ -256,23 +259,31 @@ class UcxReceiver(KVReceiver):
         try:
             await asyncio.wait_for(ucxx.recv(raw, tag), self.config.timeout_s)
             header = decode_header(raw)
-        except (Exception, asyncio.TimeoutError) as e:
+        except Exception as e:
             logger.error("KV message %#x: no header: %r", tag, e)
             return
         dst = header.dst_block_ids()
         landing = self._table.claim(header.transfer_id, dst, peer=tag >> 32)
         targets = [self._target(start, count, landing) for start, count in header.runs]
-        nbytes = len(dst) * self._block_bytes
         started = time.perf_counter()
         error = None
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(ucxx.recv(t, tag) for t in targets)), self.config.timeout_s
-            )
-        except (Exception, asyncio.CancelledError) as e:
+            receives = asyncio.gather(*(ucxx.recv(t, tag) for t in targets))
+            await asyncio.wait_for(receives, self.config.timeout_s)
+        except Exception as e:
             error = TransferError(f"receiving transfer {header.transfer_id!r}: {e!r}")
+        except asyncio.CancelledError:
+            error = TransferError("receiver closed")
+            raise
+        finally:
+            self._settle(header.transfer_id, dst, landing, time.perf_counter() - started, error)
+
+    def _settle(
+        self, transfer_id: str, dst: list[int], landing: bool, seconds: float, error: TransferError | None
+    ) -> None:
+        nbytes = len(dst) * self._block_bytes
         if landing:
-            self._table.landed(header.transfer_id, dst, nbytes, time.perf_counter() - started, error)
+            self._table.landed(transfer_id, dst, nbytes, seconds, error)
         else:
             self._table.drop(nbytes)
 
@@ -319,12 +330,12 @@ class UcxSender(KVSender):
         handle = TransferHandle(transfer_id)
         self._ledger.add(handle)
         with self._lock:
+            broken, runtime = self._broken, self._runtime
+            if broken is not None or runtime is None:
+                handle.set_error(broken or TransferError("sender is not connected"))
+                return handle
             self._seq = self._seq % (2**32 - 1) + 1
             tag = self._stream << 32 | self._seq
-            broken, runtime = self._broken, self._runtime
-        if broken is not None or runtime is None:
-            handle.set_error(broken or TransferError("sender is not connected"))
-            return handle
         runtime.submit(self._send(tag, header, runs, handle))
         return handle
 
@@ -343,6 +354,7 @@ class UcxSender(KVSender):
                 runtime.call(self._endpoint.close(), 10.0)
         finally:
             self._endpoint = None
+            self._ledger.fail_all(TransferError("sender closed"))
             runtime.release()
 
     # -- on the loop thread --------------------------------------------------------------------
@@ -364,7 +376,7 @@ class UcxSender(KVSender):
             sends += [ep.send(header, tag=tag, force_tag=True)]
             sends += [ep.send(p, tag=tag, force_tag=True) for p in payloads]
             await asyncio.wait_for(asyncio.gather(*sends), self.config.timeout_s)
-        except (Exception, asyncio.CancelledError) as e:
+        except Exception as e:
             error = TransferError(f"sending transfer {handle.transfer_id!r}: {e!r}")
             with self._lock:
                 self._broken = self._broken or error

@@ -1,0 +1,213 @@
+"""The transport-independent pieces, in one process: wire format, runs, the receiver's table of
+expected transfers, handles, config, and a package import that pulls in no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from baton.common.transfer import TransferConfig, TransferDescriptor, TransferError, TransferHandle
+from baton.common.transfer.base import all_of
+from baton.common.transfer.bookkeeping import Counters, ExpectedTransfers, SendLedger
+from baton.common.transfer.wire import (
+    KIND_DATA,
+    PREAMBLE_BYTES,
+    Preamble,
+    Run,
+    check_block_ids,
+    coalesce,
+    decode_header,
+    decode_preamble,
+    encode_header,
+    encode_preamble,
+    plan_message,
+)
+
+
+# -- wire ----------------------------------------------------------------------------------------
+def test_coalesce_joins_only_runs_consecutive_on_both_sides():
+    runs = coalesce([4, 5, 6, 9, 10, 11, 2], [0, 1, 2, 7, 3, 4, 5])
+    assert runs == [Run(4, 0, 3), Run(9, 7, 1), Run(10, 3, 2), Run(2, 5, 1)]
+
+
+def test_coalesce_rejects_unequal_lengths():
+    with pytest.raises(ValueError, match="3 source blocks but 2"):
+        coalesce([1, 2, 3], [1, 2])
+
+
+def test_check_block_ids_rejects_out_of_range_and_repeats():
+    assert check_block_ids((3, 0, 7), 8, "x") == [3, 0, 7]
+    with pytest.raises(ValueError, match="out of range"):
+        check_block_ids([8], 8, "x")
+    with pytest.raises(ValueError, match="repeat"):
+        check_block_ids([1, 1], 8, "x")
+
+
+def test_header_and_preamble_round_trip():
+    runs = [Run(4, 10, 3), Run(0, 2, 1)]
+    header = decode_header(encode_header("req-7", runs))
+    assert header.transfer_id == "req-7"
+    assert header.runs == ((10, 3), (2, 1))
+    assert header.dst_block_ids() == [10, 11, 12, 2]
+    raw = encode_preamble(Preamble(KIND_DATA, 0xABCD << 32 | 9, 123))
+    assert len(raw) == PREAMBLE_BYTES
+    assert decode_preamble(raw) == Preamble(KIND_DATA, 0xABCD << 32 | 9, 123)
+
+
+def test_decode_preamble_rejects_garbage():
+    with pytest.raises(ValueError, match="not a KV transfer preamble"):
+        decode_preamble(b"\0" * PREAMBLE_BYTES)
+
+
+def test_plan_message_validates_source_against_the_cache():
+    runs, header = plan_message("t", [0, 1], [5, 6], num_blocks=2)
+    assert runs == [Run(0, 5, 2)]
+    assert decode_header(header).runs == ((5, 2),)
+    with pytest.raises(ValueError):
+        plan_message("t", [2], [0], num_blocks=2)
+
+
+# -- the receiver's table ----------------------------------------------------------------------
+def _table(timeout_s: float = 5.0) -> tuple[ExpectedTransfers, Counters]:
+    counters = Counters()
+    return ExpectedTransfers(timeout_s, counters), counters
+
+
+def test_transfer_completes_when_all_blocks_landed_in_any_order():
+    table, counters = _table()
+    handle = table.expect("a", [3, 1, 2])
+    assert table.claim("a", [2], peer="p")
+    table.landed("a", [2], 100, 0.1)
+    assert not handle.done()
+    assert table.claim("a", [3, 1], peer="p")
+    table.landed("a", [3, 1], 200, 0.1)
+    handle.wait(0)
+    assert handle.nbytes == 300
+    assert counters.snapshot().bytes == 300
+    assert counters.snapshot().transfers_ok == 1
+    assert table.pending() == 0
+
+
+def test_unknown_or_unexpected_blocks_are_not_claimed():
+    table, _ = _table()
+    handle = table.expect("a", [1, 2])
+    assert not table.claim("nobody", [1], peer="p")
+    assert not table.claim("a", [1, 5], peer="p")  # block 5 is not ours: the transfer fails
+    with pytest.raises(TransferError, match="unexpected blocks"):
+        handle.wait(0)
+
+
+def test_blocks_cannot_be_expected_twice_while_pending():
+    table, _ = _table()
+    table.expect("a", [1, 2])
+    with pytest.raises(ValueError, match="already belong"):
+        table.expect("b", [2, 3])
+    with pytest.raises(ValueError, match="already expected"):
+        table.expect("a", [7])
+    table.cancel("a")
+    table.expect("b", [2, 3])  # released once the cancelled transfer settled
+
+
+def test_cancel_waits_for_a_message_in_flight_before_failing():
+    table, counters = _table()
+    handle = table.expect("a", [1, 2])
+    assert table.claim("a", [1], peer="p")
+    table.cancel("a")
+    assert not handle.done()  # block 1 is still being written
+    assert not table.claim("a", [2], peer="p")  # nothing new lands after cancel
+    table.landed("a", [1], 100, 0.1)
+    with pytest.raises(TransferError, match="cancelled"):
+        handle.wait(0)
+    assert counters.snapshot().transfers_failed == 1
+
+
+def test_deadline_fails_the_transfer_on_sweep():
+    table, _ = _table()
+    handle = table.expect("a", [1], timeout_s=0.05)
+    table.sweep()
+    assert not handle.done()
+    table.sweep(time.monotonic() + 0.1)
+    with pytest.raises(TransferError, match="timed out"):
+        handle.wait(0)
+
+
+def test_stuck_message_cannot_hold_a_failed_transfer_forever():
+    table, _ = _table(timeout_s=0.05)
+    handle = table.expect("a", [1])
+    assert table.claim("a", [1], peer="p")
+    table.sweep(time.monotonic() + 0.06)  # deadline: failed, but a message is in flight
+    assert not handle.done()
+    table.sweep(time.monotonic() + 0.2)  # a further timeout_s later it fails anyway
+    assert handle.done() and not handle.ok()
+
+
+def test_lost_peer_fails_only_the_transfers_it_wrote():
+    table, _ = _table()
+    touched, untouched = table.expect("a", [1, 2]), table.expect("b", [3])
+    assert table.claim("a", [1], peer="p")
+    table.landed("a", [1], 10, 0.0)
+    table.fail_peer("p", TransferError("peer p lost"))
+    with pytest.raises(TransferError, match="peer p lost"):
+        touched.wait(0)
+    assert not untouched.done()
+
+
+def test_close_fails_everything_pending():
+    table, _ = _table()
+    handles = [table.expect("a", [1]), table.expect("b", [2])]
+    table.close(TransferError("closed"))
+    assert all(h.done() and not h.ok() for h in handles)
+
+
+# -- handles and the sender's ledger -------------------------------------------------------------
+def test_handle_wait_bounds_and_callbacks():
+    handle = TransferHandle("t")
+    seen = []
+    handle.add_done_callback(seen.append)
+    with pytest.raises(TransferError, match="not done after 0.01 s"):
+        handle.wait(0.01)
+    assert handle.set_result(5) and not handle.set_error(TransferError("late"))
+    handle.wait(0)
+    assert seen == [handle] and handle.nbytes == 5
+
+
+def test_finish_joins_every_send_of_a_transfer():
+    ledger = SendLedger()
+    sends = [TransferHandle("t"), TransferHandle("t")]
+    for h in sends:
+        ledger.add(h)
+    finished = ledger.finish("t")
+    sends[0].set_result(10)
+    assert not finished.done()
+    sends[1].set_error(TransferError("boom"))
+    with pytest.raises(TransferError, match="boom"):
+        finished.wait(0)
+    assert ledger.finish("never-sent").ok()
+    assert all_of("x", []).ok()
+
+
+# -- config, descriptor, import ------------------------------------------------------------------
+def test_config_rejects_unknown_backend_and_bad_timeout():
+    with pytest.raises(ValueError, match="backend"):
+        TransferConfig(backend="tcp")
+    with pytest.raises(ValueError, match="timeout_s"):
+        TransferConfig(timeout_s=0)
+
+
+def test_descriptor_round_trips_through_a_dict():
+    d = TransferDescriptor("nccl", host="10.0.0.2", port=4242, address="")
+    assert TransferDescriptor.from_dict(d.to_dict()) == d
+
+
+def test_package_import_pulls_in_no_torch_and_no_transport():
+    code = (
+        "import sys\nsys.modules['torch'] = None\n"
+        "import baton.common.transfer as t\n"
+        "assert 'ucxx' not in sys.modules and 'baton.common.transfer.ucx' not in sys.modules\n"
+        "t.TransferConfig(backend='nccl')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
