@@ -237,4 +237,3 @@ class _DefaultingMap(dict):
 
     def get(self, key, default=None):
         return super().get(key, self._default)
-
