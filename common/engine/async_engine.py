@@ -12,9 +12,10 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from baton.common.engine.block_pool import CacheEvents
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.outputs import RequestOutput
 from baton.common.engine.sampling_params import SamplingParams
@@ -77,8 +78,11 @@ class _Stream:
 class AsyncEngine:
     """Owns an ``LLMEngine`` and the thread that steps it. ``start()`` / ``stop()`` explicitly."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_cache_events: Callable[[CacheEvents], None] | None = None):
+        """``on_cache_events`` receives each step's prefix-cache changes on the engine thread; it
+        must only hand them over (e.g. ``CachePublisher.submit``)."""
         self.engine = engine
+        self._on_cache_events = on_cache_events
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -140,6 +144,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step(include_unfinished=True):
                         self._publish(out)
+                    if self._on_cache_events is not None:
+                        self._on_cache_events(self.engine.pool.take_events())
         except BaseException as e:  # the loop must not die silently: fail every open stream
             log.exception("engine loop failed")
             self.error = e

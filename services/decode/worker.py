@@ -42,6 +42,8 @@ class DecodeWorkerConfig:
     worker_id: str = ""
     """Defaults to ``decode-<host>-<pid>-<random>``."""
     heartbeat_ttl_s: float = 6.0
+    prefix_index_max_entries: int = 1_000_000
+    """Bound on the model's prefix index in Redis (block hashes)."""
 
 
 class DecodeServicer(baton_pb2_grpc.DecodeServicer):
@@ -106,12 +108,16 @@ class DecodeWorker:
         self.engine: AsyncEngine | None = None
         self._server: grpc.aio.Server | None = None
         self._heartbeat = None
+        self._publisher = None
         self._metrics_server = None
 
     async def start(self) -> None:
         cfg = self.config
         llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
-        self.engine = AsyncEngine(llm_engine)
+        on_events = None
+        if cfg.redis_url:
+            on_events = self._start_publisher(llm_engine)
+        self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
         self.engine.start()
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
@@ -130,6 +136,19 @@ class DecodeWorker:
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)
         log.info("decode worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
+
+    def _start_publisher(self, llm_engine: LLMEngine):
+        """Publish this worker's cached block hashes to the prefix index (for routing)."""
+        import redis
+
+        from baton.common.index.prefix_index import PrefixIndex
+        from baton.common.index.publisher import CachePublisher
+
+        client = redis.Redis.from_url(self.config.redis_url)
+        index = PrefixIndex(client, llm_engine.model_name, max_entries=self.config.prefix_index_max_entries)
+        self._publisher = CachePublisher(index, self.worker_id)
+        self._publisher.start()
+        return self._publisher.submit
 
     def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
         import redis
@@ -165,6 +184,8 @@ class DecodeWorker:
             await self._server.stop(grace=2.0)
         if self.engine is not None:
             self.engine.stop()
+        if self._publisher is not None:
+            self._publisher.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
 
