@@ -9,7 +9,15 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from baton.common.transfer.base import TransferError, TransferHandle, TransferStats, all_of
+from baton.common.transfer.base import (
+    KVReceiver,
+    TransferConfig,
+    TransferError,
+    TransferHandle,
+    TransferStats,
+    all_of,
+)
+from baton.common.transfer.wire import check_block_ids
 
 
 class Counters:
@@ -227,3 +235,26 @@ class ExpectedTransfers:
             handle.set_result(nbytes)
         else:
             handle.set_error(error)
+
+
+class TableReceiver(KVReceiver):
+    """The receiver side both backends share: the expected-transfer table and its counters.
+    Subclasses move the bytes (``start``, ``close``) and report landings to ``self._table``."""
+
+    def __init__(self, config: TransferConfig, cache) -> None:
+        self.config = config
+        self._cache = cache
+        self._counters = Counters()
+        self._table = ExpectedTransfers(config.timeout_s, self._counters)
+
+    def expect(
+        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> TransferHandle:
+        ids = check_block_ids(dst_block_ids, len(self._cache), "destination")
+        return self._table.expect(transfer_id, ids, timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._table.cancel(transfer_id)
+
+    def stats(self) -> TransferStats:
+        return self._counters.snapshot()

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from baton.common.transfer.base import (
-    KVReceiver,
     KVSender,
     TransferConfig,
     TransferDescriptor,
@@ -38,7 +37,7 @@ from baton.common.transfer.base import (
     TransferStats,
 )
 from baton.common.transfer.blocks import as_block_bytes
-from baton.common.transfer.bookkeeping import Counters, ExpectedTransfers, SendLedger
+from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
     KIND_BYE,
     KIND_DATA,
@@ -47,7 +46,6 @@ from baton.common.transfer.wire import (
     Header,
     Preamble,
     Run,
-    check_block_ids,
     decode_header,
     decode_preamble,
     encode_preamble,
@@ -83,14 +81,11 @@ def _wait(work: Any, timeout_s: float) -> None:
     work.wait(timedelta(seconds=timeout_s))
 
 
-class NcclReceiver(KVReceiver):
+class NcclReceiver(TableReceiver):
     """Accepts sender pairs on a TCPStore; one thread per pair receives into ``cache``."""
 
     def __init__(self, config: TransferConfig, cache: torch.Tensor) -> None:
-        self.config = config
-        self._cache = cache
-        self._counters = Counters()
-        self._table = ExpectedTransfers(config.timeout_s, self._counters)
+        super().__init__(config, cache)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._store: Any = None
@@ -105,18 +100,6 @@ class NcclReceiver(KVReceiver):
         )
         self._spawn(self._accept_loop, "baton-kv-accept")
         return TransferDescriptor("nccl", host=self.config.host, port=self._store.port)
-
-    def expect(
-        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
-    ) -> TransferHandle:
-        ids = check_block_ids(dst_block_ids, len(self._cache), "destination")
-        return self._table.expect(transfer_id, ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._table.cancel(transfer_id)
-
-    def stats(self) -> TransferStats:
-        return self._counters.snapshot()
 
     def close(self) -> None:
         if self._store is None or self._stop.is_set():

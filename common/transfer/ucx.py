@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from baton.common.transfer.base import (
-    KVReceiver,
     KVSender,
     TransferConfig,
     TransferDescriptor,
@@ -39,13 +38,12 @@ from baton.common.transfer.base import (
     TransferStats,
 )
 from baton.common.transfer.blocks import as_block_bytes
-from baton.common.transfer.bookkeeping import Counters, ExpectedTransfers, SendLedger
+from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
     KIND_DATA,
     PREAMBLE_BYTES,
     Preamble,
     Run,
-    check_block_ids,
     decode_header,
     decode_preamble,
     encode_preamble,
@@ -165,14 +163,11 @@ def _decode_address(address: str) -> tuple[int, bytes]:
     return control_stream, raw[_ADDRESS_HEAD.size :]
 
 
-class UcxReceiver(KVReceiver):
+class UcxReceiver(TableReceiver):
     """Receives messages on the shared UCX loop into the destination blocks of ``cache``."""
 
     def __init__(self, config: TransferConfig, cache: torch.Tensor) -> None:
-        self.config = config
-        self._cache = cache
-        self._counters = Counters()
-        self._table = ExpectedTransfers(config.timeout_s, self._counters)
+        super().__init__(config, cache)
         self._runtime: UcxRuntime | None = None
         self._tasks: set[asyncio.Task] = set()
         self._control_tag = 0
@@ -188,18 +183,6 @@ class UcxReceiver(KVReceiver):
         worker_address = self._runtime.call(self._open(), self.config.timeout_s)
         address = _encode_address(control_stream, worker_address)
         return TransferDescriptor("ucx", host=self.config.host, port=0, address=address)
-
-    def expect(
-        self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
-    ) -> TransferHandle:
-        ids = check_block_ids(dst_block_ids, len(self._cache), "destination")
-        return self._table.expect(transfer_id, ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._table.cancel(transfer_id)
-
-    def stats(self) -> TransferStats:
-        return self._counters.snapshot()
 
     def close(self) -> None:
         runtime, self._runtime = self._runtime, None
