@@ -136,7 +136,9 @@ def cmd_decode(a: argparse.Namespace) -> int:
 def cmd_gateway(a: argparse.Namespace) -> int:
     from baton.services.gateway.app import GatewayConfig, serve
 
-    config = GatewayConfig(host=a.host, port=a.port, model=a.model, redis_url=a.redis_url)
+    config = GatewayConfig(
+        host=a.host, port=a.port, model=a.model, redis_url=a.redis_url, block_size=a.block_size
+    )
     return _serve_forever(lambda: serve(config))
 
 
@@ -151,6 +153,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             engine_args=_engine_flags(a),
             model=a.model,
             ready_timeout_s=a.ready_timeout,
+            block_size=a.block_size,
             log_dir=a.log_dir,
         )
     )
@@ -216,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=8000)
     gw.add_argument("--model", default=None)
     gw.add_argument("--redis-url", required=True)
+    gw.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
     gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -24,6 +24,8 @@ class UpConfig:
     """Engine flags passed to every worker."""
     model: str | None = None
     ready_timeout_s: float = 300.0
+    block_size: int = 16
+    """The workers' KV block size, told to the gateway for prefix-aware routing."""
     log_dir: str | None = None
 
 

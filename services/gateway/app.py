@@ -67,6 +67,10 @@ class GatewayConfig:
     """Deadline of one decode request on its worker."""
     registry_refresh_s: float = 0.5
     """How long the router reuses the decode worker list it read from Redis."""
+    block_size: int = 16
+    """The workers' KV block size: prompts are hashed in blocks of it for prefix-aware routing."""
+    prefix_index_max_entries: int = 1_000_000
+    """Bound of the model's prefix index (the workers use the same)."""
     max_choices: int = 128
     """Most choices (prompts x ``n``) one request may ask for."""
     log_level: str = "info"
@@ -184,13 +188,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app. Loads the tokenizer; Redis and the workers are reached on first use."""
     import redis
 
+    from baton.common.index.prefix_index import PrefixIndex
     from baton.common.index.registry import WorkerRegistry
     from baton.common.model.source import ModelSource, load_tokenizer
 
     source = ModelSource.resolve(config.model)
     client = redis.Redis.from_url(config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
     # The TTL only matters to writers; the gateway reads.
-    router = Router(WorkerRegistry(client, source.name, ttl_s=6.0), config.registry_refresh_s)
+    index = PrefixIndex(client, source.name, max_entries=config.prefix_index_max_entries)
+    router = Router(
+        WorkerRegistry(client, source.name, ttl_s=6.0),
+        config.registry_refresh_s,
+        prefix_index=index,
+        block_size=config.block_size,
+    )
     gw = Gateway(config, load_tokenizer(source), source.name, router)
 
     @asynccontextmanager

@@ -131,7 +131,7 @@ class Dispatcher:
         tried: list[str] = []
         while True:
             try:
-                worker = await self._router.pick_decode(exclude=tried)
+                worker = await self._router.pick_decode(exclude=tried, prompt_token_ids=sub.prompt_token_ids)
             except NoWorkerError as e:
                 raise unavailable(str(e), code="no_decode_worker") from None
             address = worker.grpc_address

@@ -1,7 +1,9 @@
 """Picks workers from the Redis registry and keeps one gRPC channel per worker address.
 
-Today it picks the least loaded decode worker. The prefix-aware choice of a prefill worker (longest
-cached prefix from the prefix index, weighed against load) belongs here too, beside ``pick_decode``.
+A decode worker is chosen by the cost of serving the prompt there: the prompt tokens it would have
+to compute (those past the longest prefix it caches, from the Redis prefix index) plus a charge per
+request already queued or running on it. The prefix-aware choice of a prefill worker belongs here
+too, beside ``pick_decode``.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 
 import grpc
 
+from baton.common.engine.hashing import BlockHasher
 from baton.common.index.registry import Role, WorkerInfo, WorkerRegistry
 from baton.protos import baton_pb2_grpc
 
@@ -29,8 +32,22 @@ class Router:
     """Worker choice for the gateway. Registry reads run in a thread (the client is synchronous), so
     the event loop never waits on Redis; the decode list is cached for ``refresh_s`` seconds."""
 
-    def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.5) -> None:
+    # What one queued or running request costs a worker, in prompt tokens to compute: about one
+    # W2 prompt. A worker holding a 1k-token prefix wins until it has ~4 more requests than another.
+    LOAD_COST_TOKENS = 256.0
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        refresh_s: float = 0.5,
+        prefix_index=None,
+        block_size: int = 16,
+    ) -> None:
+        """``prefix_index`` (a ``PrefixIndex``) enables prefix-aware choice; ``block_size`` must be
+        the workers' so that prompts hash to the blocks they publish."""
         self._registry = registry
+        self._prefix_index = prefix_index
+        self._hasher = BlockHasher(block_size)
         self._refresh_s = refresh_s
         self._decode: list[WorkerInfo] = []
         self._fetched_at = float("-inf")
@@ -60,12 +77,34 @@ class Router:
             return
         await self._close_unused_channels({w.grpc_address for w in self._decode})
 
-    async def pick_decode(self, exclude: Collection[str] = ()) -> WorkerInfo:
-        """The least loaded decode worker whose address is not in ``exclude``."""
+    async def pick_decode(
+        self, exclude: Collection[str] = (), prompt_token_ids: Sequence[int] = ()
+    ) -> WorkerInfo:
+        """The decode worker (address not in ``exclude``) where the prompt costs least: uncached
+        prompt tokens plus ``LOAD_COST_TOKENS`` per request on it; ties go to the least loaded."""
         candidates = [w for w in await self.decode_workers() if w.grpc_address not in exclude]
         if not candidates:
             raise NoWorkerError("no decode worker is available")
-        return min(candidates, key=self._load_key)
+        cached = await self._cached_tokens(prompt_token_ids)
+
+        def cost(w: WorkerInfo) -> tuple[float, tuple[float, int, str]]:
+            load = self._load_key(w)
+            uncached = len(prompt_token_ids) - cached.get(w.id, 0)
+            return uncached + self.LOAD_COST_TOKENS * load[0], load
+
+        return min(candidates, key=cost)
+
+    async def _cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+        """Worker id -> prompt tokens it caches (longest prefix), or {} without an index."""
+        if self._prefix_index is None or len(prompt_token_ids) < self._hasher.block_size:
+            return {}
+        hashes = self._hasher.hash_blocks(prompt_token_ids)
+        try:
+            held = await asyncio.to_thread(self._prefix_index.longest_prefix, hashes)
+        except Exception as e:  # noqa: BLE001 - a Redis blip costs a routing hint, not the request
+            log.warning("prefix index unreachable: %s", e)
+            return {}
+        return {worker: blocks * self._hasher.block_size for worker, blocks in held.items()}
 
     def _load_key(self, w: WorkerInfo) -> tuple[float, int, str]:
         # The reported load lags by up to a heartbeat; this gateway's own in-flight count does not,
