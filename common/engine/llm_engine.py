@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_
 from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
-from baton.common.engine.scheduler import Scheduler, SchedulerConfig
+from baton.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -88,6 +88,10 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._counter = itertools.count()
+        # Called on the engine thread after each forward step, before any request of the step is
+        # finished or freed: the step's scheduled requests still own their (now computed) blocks.
+        # The prefill worker pushes finished KV blocks from here.
+        self.on_step_computed: Callable[[SchedulerOutput], None] | None = None
         # Totals since start, for tests and metrics.
         self.num_computed_tokens_total = 0
         self.num_prompt_tokens_computed_total = 0
@@ -165,6 +169,8 @@ class LLMEngine:
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
         sampled = self.runner.execute(sched, requests, gens)
+        if self.on_step_computed is not None:
+            self.on_step_computed(sched)
         progressed = self.scheduler.update_from_output(sched, sampled)
         self.num_generated_tokens_total += len(progressed)
         outputs = []
