@@ -7,7 +7,7 @@ latencies are histograms observed by the service that sees the request's life.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -55,6 +55,27 @@ class EngineCollector:
         )
         yield self._c("baton:generation_tokens", "Tokens generated.", e.num_generated_tokens_total)
         yield self._c("baton:num_preemptions", "Requests preempted.", e.num_preemptions_total)
+
+
+class TransferCollector:
+    """Exports a KV sender's or receiver's ``stats()`` (``common.transfer.TransferStats``)."""
+
+    def __init__(self, stats, labels: dict[str, str]):
+        self.stats = stats
+        self.labels = labels
+
+    def collect(self):
+        s = self.stats()
+        names, values = list(self.labels), list(self.labels.values())
+        c = CounterMetricFamily("baton:kv_transfer_bytes", "KV bytes moved between workers.", labels=names)
+        c.add_metric(values, s.bytes)
+        yield c
+        f = CounterMetricFamily("baton:kv_transfer_failures", "KV transfers that failed.", labels=names)
+        f.add_metric(values, s.transfers_failed)
+        yield f
+        t = SummaryMetricFamily("baton:kv_transfer_seconds", "Time spent moving KV.", labels=names)
+        t.add_metric(values, count_value=s.transfers_ok, sum_value=s.seconds)
+        yield t
 
 
 class RequestMetrics:

@@ -12,13 +12,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.common.engine.block_pool import CacheEvents
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.outputs import RequestOutput
 from baton.common.engine.sampling_params import SamplingParams
+from baton.common.engine.scheduler import SampledToken
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,15 @@ class _Stream:
         self.sent_tokens = len(c.token_ids)
         self.sent_text = max(self.sent_text, len(text))
         return d
+
+
+def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 class AsyncEngine:
@@ -133,6 +143,52 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def generate_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill: Callable[[list[int], int], Awaitable[SampledToken | None]],
+    ) -> AsyncIterator[StreamDelta]:
+        """Like ``generate``, with the prompt prefilled elsewhere: blocks are reserved on the engine
+        thread, then ``prefill(block_ids, num_cached_tokens)`` runs on the caller's loop (it asks a
+        prefill worker to fill those blocks and returns the first token, or None to prefill here
+        instead). The engine keeps stepping other requests meanwhile."""
+        if self.error is not None:
+            raise RuntimeError("engine loop failed") from self.error
+        self.engine.validate_prompt(prompt_token_ids)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), params.stop)
+        reserved: asyncio.Future = loop.create_future()
+        self._commands.put(("reserve", request_id, list(prompt_token_ids), params, stream, reserved))
+        finished = False
+        try:
+            try:
+                got = await reserved
+            except ValueError:
+                finished = True  # refused at admission (e.g. a duplicate id): nothing to abort
+                raise
+            if got is None:  # no room to park it: prefill here, like any request
+                finished = True
+                async for d in self.generate(request_id, prompt_token_ids, params):
+                    yield d
+                return
+            block_ids, num_cached = got
+            token = await prefill(block_ids, num_cached)
+            self._commands.put(("resume", request_id, token))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -175,6 +231,21 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 return
             self._streams[rid] = stream
+        elif kind == "reserve":
+            _, rid, ids, params, stream, fut = cmd
+            try:
+                got = self.engine.reserve_remote(rid, ids, params)
+            except ValueError as e:
+                stream.loop.call_soon_threadsafe(_settle, fut, None, e)
+                return
+            if got is not None:
+                self._streams[rid] = stream
+            stream.loop.call_soon_threadsafe(_settle, fut, got, None)
+        elif kind == "resume":
+            _, rid, token = cmd
+            out = self.engine.resume_remote(rid, token)
+            if out is not None:
+                self._publish(out)
         elif kind == "abort":
             rid = cmd[1]
             self.engine.abort_request(rid)

@@ -51,12 +51,18 @@ class KVCacheManager:
         return hit, len(hit) * self.block_size
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+        cache: bool = True,
     ) -> bool:
         """Reserve blocks so that ``num_new_tokens`` more tokens fit after the computed ones.
 
         ``new_computed_blocks`` are prefix hits not yet owned by the request. Returns False and
-        changes nothing if the pool cannot supply the blocks.
+        changes nothing if the pool cannot supply the blocks. ``cache=False`` reserves blocks whose
+        content arrives later (a remote prefill): they join the prefix cache only once
+        ``cache_computed`` says their tokens are in place.
         """
         computed = new_computed_blocks or []
         owned = self._blocks.setdefault(req.request_id, [])
@@ -73,8 +79,13 @@ class KVCacheManager:
         owned.extend(computed)
         if needed > 0:
             owned.extend(self.pool.get_new_blocks(needed))
-        self._cache_full_blocks(req, owned, total)
+        if cache:
+            self._cache_full_blocks(req, owned, total)
         return True
+
+    def cache_computed(self, req: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once ``num_tokens`` tokens are in place."""
+        self._cache_full_blocks(req, self._blocks.get(req.request_id, []), num_tokens)
 
     def _cache_full_blocks(self, req: Request, owned: list[KVBlock], num_tokens: int) -> None:
         """Register the blocks that are full once ``num_tokens`` tokens are computed."""

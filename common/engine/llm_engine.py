@@ -15,7 +15,7 @@ from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_
 from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
-from baton.common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -98,6 +98,8 @@ class LLMEngine:
         self.num_generated_tokens_total = 0
         self.num_steps_with_prefill = 0
         self.num_preemptions_total = 0
+        self.num_remote_prefills_total = 0
+        self._remote: dict[str, Request] = {}  # parked while another worker prefills them
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -145,8 +147,63 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parked = self._remote.pop(rid, None)
+            if parked is not None:
+                parked.status = RequestStatus.FINISHED_ABORTED
+                self.kv.free(parked)
+                self._forget(rid)
         for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
             self._forget(req.request_id)
+
+    # -- remote prefill ------------------------------------------------------------------------
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt that another worker will prefill: returns the request's
+        block ids and how many leading prompt tokens this worker already caches, or None when the
+        pool cannot hold the prompt now (prefill it here instead). The request is parked, outside
+        the schedule, until ``resume_remote``."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self.scheduler.requests or request_id in self._remote:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=next(self._counter),
+        )
+        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, cache=False):
+            return None
+        req.num_computed_tokens = req.num_cached_tokens = num_hit
+        self._remote[request_id] = req
+        if params.seed is not None:
+            self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+        return self.kv.block_ids(request_id), num_hit
+
+    def resume_remote(self, request_id: str, first_token: SampledToken | None) -> RequestOutput | None:
+        """Start decoding a parked request whose prompt KV has landed in its blocks, with the
+        first token the prefill worker sampled; or, with None (the remote prefill failed or was
+        not worth it), compute the rest of its prompt here. Returns the output when the first
+        token already ends the request or streams it."""
+        req = self._remote.pop(request_id, None)
+        if req is None:
+            return None  # aborted meanwhile
+        if first_token is not None:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv.cache_computed(req, req.num_prompt_tokens)
+            self.num_remote_prefills_total += 1
+        self.scheduler.admit_running(req, first_token)
+        if first_token is None:
+            return None
+        if not req.is_finished and req.sampling_params.stop:
+            self._check_stop_strings(req)
+        out = self._make_output(req)
+        if req.is_finished:
+            self._forget(request_id)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -104,6 +104,22 @@ class Scheduler:
             done.append(req)
         return done
 
+    def admit_running(self, req: Request, token: SampledToken | None = None) -> None:
+        """Put a request whose blocks are already reserved straight into the running batch: after
+        a remote prefill (``token`` is the first token it sampled), or to compute the rest of its
+        prompt here when the remote prefill failed (``token`` None). A token that ends the request
+        finishes it at once."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if token is not None:
+            req.append_output(token.token_id, token.logprob)
+            reason = self._check_stop(req)
+            if reason is not None:
+                self.finish_requests([req.request_id], reason)
+
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -2,13 +2,18 @@
 registry heartbeat.
 
 The gRPC front runs on asyncio and the engine on its own thread, so neither waits for the other.
-Until prefill workers land, every prompt is prefilled here (the local path that disaggregated
-serving keeps for short uncached prompts).
+A prompt whose uncached part reaches ``remote_prefill_threshold`` tokens is prefilled by a prefill
+worker (the request's ``prefill_address``, or the least queued one in the registry): blocks are
+reserved here, the prefill worker pushes the KV straight into them over ``common/transfer``, and
+decoding starts from the first token it sampled. Short prompts, or any failure on that path, are
+prefilled here instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import os
 import time
@@ -22,8 +27,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.scheduler import SampledToken
 from baton.common.index.server import free_port
-from baton.common.metrics import EngineCollector, RequestMetrics
+from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector
+from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,12 +51,24 @@ class DecodeWorkerConfig:
     heartbeat_ttl_s: float = 6.0
     prefix_index_max_entries: int = 1_000_000
     """Bound on the model's prefix index in Redis (block hashes)."""
+    transfer: TransferConfig = TransferConfig()
+    """The KV transport this worker receives on."""
+    remote_prefill_threshold: int = 32
+    """Prompts with fewer uncached tokens than this are prefilled here."""
+    prefill_timeout_s: float = 60.0
+    """Bound on one remote prefill (RPC and transfer); past it the prompt is recomputed here."""
 
 
 class DecodeServicer(baton_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, metrics: RequestMetrics):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: RequestMetrics,
+        remote: RemotePrefill | None = None,
+    ):
         self.engine = engine
         self.metrics = metrics
+        self.remote = remote
 
     async def Generate(self, request, context):
         try:
@@ -76,12 +95,83 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _deltas(self, request, params):
-        return self.engine.generate(request.request_id, list(request.prompt_token_ids), params)
+        ids = list(request.prompt_token_ids)
+        if self.remote is not None and len(ids) >= self.remote.threshold:
+            prefill = functools.partial(self.remote.prefill, request, params)
+            return self.engine.generate_remote(request.request_id, ids, params, prefill)
+        return self.engine.generate(request.request_id, ids, params)
 
     async def Abort(self, request, context):
         for rid in request.request_ids:
             self.engine.abort(rid)
         return baton_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+
+class RemotePrefill:
+    """Asks a prefill worker to fill reserved blocks, and waits for the KV to land."""
+
+    def __init__(self, receiver, descriptor, pick_prefill, config: DecodeWorkerConfig):
+        self.receiver = receiver
+        self.descriptor_json = json.dumps(descriptor.to_dict())
+        self.backend = descriptor.backend
+        self.pick_prefill = pick_prefill  # async () -> address | None
+        self.threshold = config.remote_prefill_threshold
+        self.block_size = config.engine.block_size
+        self.timeout_s = config.prefill_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> baton_pb2_grpc.PrefillStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return baton_pb2_grpc.PrefillStub(self._channels[address])
+
+    async def prefill(self, request, params, block_ids: list[int], num_cached: int) -> SampledToken | None:
+        """The first token once the prompt's KV is in ``block_ids``, or None to prefill here."""
+        ids = request.prompt_token_ids
+        if len(ids) - num_cached < self.threshold:
+            return None
+        address = request.prefill_address or await self.pick_prefill()
+        if not address:
+            return None
+        dst = block_ids[num_cached // self.block_size :]
+        rid = request.request_id
+        handle = self.receiver.expect(rid, dst, self.timeout_s)
+        try:
+            resp = await self._stub(address).Prefill(
+                baton_pb2.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    params=request.params,
+                    destination=baton_pb2.TransferDescriptor(
+                        backend=self.backend, extra_json=self.descriptor_json
+                    ),
+                    num_skip_tokens=num_cached,
+                    dst_block_ids=dst,
+                ),
+                timeout=self.timeout_s,
+            )
+            await asyncio.to_thread(handle.wait, self.timeout_s)
+        except (grpc.aio.AioRpcError, TransferError) as e:
+            log.warning("remote prefill of %s via %s failed, prefilling here: %s", rid, address, e)
+            await self._release(rid, handle)
+            return None
+        except asyncio.CancelledError:
+            await self._release(rid, handle)
+            raise
+        logprob = resp.first_logprob if params.logprobs is not None else None
+        return SampledToken(resp.first_token_id, logprob)
+
+    async def _release(self, rid: str, handle) -> None:
+        """Stop expecting the transfer and wait until nothing more can land in its blocks."""
+        self.receiver.cancel(rid)
+        try:
+            await asyncio.to_thread(handle.wait, self.timeout_s)
+        except TransferError:
+            pass
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
 
 
 def _chunk(d) -> baton_pb2.GenerateChunk:
@@ -106,9 +196,13 @@ class DecodeWorker:
         self.grpc_port = config.grpc_port
         self.metrics_port = config.metrics_port
         self.engine: AsyncEngine | None = None
+        self.kv_address = ""
         self._server: grpc.aio.Server | None = None
         self._heartbeat = None
         self._publisher = None
+        self._receiver = None
+        self._remote: RemotePrefill | None = None
+        self._prefill_workers: tuple[float, list] = (float("-inf"), [])
         self._metrics_server = None
 
     async def start(self) -> None:
@@ -123,11 +217,19 @@ class DecodeWorker:
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))
         metrics = RequestMetrics(registry, labels)
+        if cfg.redis_url:
+            self._receiver = make_receiver(cfg.transfer, llm_engine.kv_cache)
+            descriptor = self._receiver.start()
+            self.kv_address = json.dumps(descriptor.to_dict())
+            registry.register(TransferCollector(self._receiver.stats, labels))
+            self._remote = RemotePrefill(self._receiver, descriptor, self._pick_prefill, cfg)
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
 
         self._server = grpc.aio.server()
-        baton_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self.engine, metrics), self._server)
+        baton_pb2_grpc.add_DecodeServicer_to_server(
+            DecodeServicer(self.engine, metrics, self._remote), self._server
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{self.grpc_port}")
@@ -162,7 +264,7 @@ class DecodeWorker:
             id=self.worker_id,
             role="decode",
             grpc_address=f"{cfg.host}:{self.grpc_port}",
-            kv_address="",
+            kv_address=self.kv_address,
             metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
         )
 
@@ -176,6 +278,22 @@ class DecodeWorker:
 
         self._heartbeat = Heartbeat(reg, current)
         self._heartbeat.start()
+        self._registry = reg
+
+    async def _pick_prefill(self) -> str | None:
+        """The least queued prefill worker from the registry (the list is reused for 0.5 s)."""
+        fetched, workers = self._prefill_workers
+        if time.monotonic() - fetched > 0.5:
+            try:
+                workers = await asyncio.to_thread(self._registry.list, "prefill")
+            except Exception as e:  # noqa: BLE001 - Redis away: prefill here
+                log.warning("registry unreachable: %s", e)
+                workers = []
+            self._prefill_workers = (time.monotonic(), workers)
+        if not workers:
+            return None
+        best = min(workers, key=lambda w: (w.load.get("queued_prefill_tokens", 0.0), w.id))
+        return best.grpc_address
 
     async def stop(self) -> None:
         if self._heartbeat is not None:
@@ -184,6 +302,10 @@ class DecodeWorker:
             await self._server.stop(grace=2.0)
         if self.engine is not None:
             self.engine.stop()
+        if self._remote is not None:
+            await self._remote.close()
+        if self._receiver is not None:
+            self._receiver.close()
         if self._publisher is not None:
             self._publisher.stop()
         if self._metrics_server is not None:
