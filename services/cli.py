@@ -120,6 +120,7 @@ def _serve_forever(coro_factory) -> int:
 
 def cmd_decode(a: argparse.Namespace) -> int:
     from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.transfer import TransferConfig
     from baton.services.decode.worker import DecodeWorkerConfig, serve
 
     config = DecodeWorkerConfig(
@@ -129,6 +130,25 @@ def cmd_decode(a: argparse.Namespace) -> int:
         metrics_port=a.metrics_port,
         redis_url=a.redis_url,
         worker_id=a.worker_id,
+        transfer=TransferConfig(backend=a.kv_transport, host=a.host),
+        remote_prefill_threshold=a.remote_prefill_threshold,
+    )
+    return _serve_forever(lambda: serve(config))
+
+
+def cmd_prefill(a: argparse.Namespace) -> int:
+    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.transfer import TransferConfig
+    from baton.services.prefill.worker import PrefillWorkerConfig, serve
+
+    config = PrefillWorkerConfig(
+        engine=EngineConfig(**_engine_kwargs(a)),
+        host=a.host,
+        grpc_port=a.port,
+        metrics_port=a.metrics_port,
+        redis_url=a.redis_url,
+        worker_id=a.worker_id,
+        transfer=TransferConfig(backend=a.kv_transport, host=a.host),
     )
     return _serve_forever(lambda: serve(config))
 
@@ -147,7 +167,9 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     return run_cluster(
         UpConfig(
+            prefill=a.prefill,
             decode=a.decode,
+            kv_transport=a.kv_transport,
             host=a.host,
             port=a.port,
             engine_args=_engine_flags(a),
@@ -197,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     up = sub.add_parser("up", help="a local cluster: Redis, decode workers and the gateway")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000, help="the gateway's port")
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
@@ -211,8 +235,22 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--metrics-port", type=int, default=0)
     dec.add_argument("--redis-url", default=None, help="registry to join")
     dec.add_argument("--worker-id", default="")
+    dec.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
+    dec.add_argument(
+        "--remote-prefill-threshold", type=int, default=32, help="fewer uncached prompt tokens: prefill here"
+    )
     _engine_args(dec)
     dec.set_defaults(func=cmd_decode)
+
+    pre = sub.add_parser("prefill", help="one prefill worker")
+    pre.add_argument("--host", default="127.0.0.1")
+    pre.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
+    pre.add_argument("--metrics-port", type=int, default=0)
+    pre.add_argument("--redis-url", default=None, help="registry to join")
+    pre.add_argument("--worker-id", default="")
+    pre.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
+    _engine_args(pre)
+    pre.set_defaults(func=cmd_prefill)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--host", default="127.0.0.1")

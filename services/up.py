@@ -1,5 +1,5 @@
-"""``baton up``: Redis (embedded unless ``REDIS_URL``), decode workers and the gateway as separate
-processes; waits until the gateway is ready, prints its URL, and on Ctrl-C or SIGTERM stops them
+"""``baton up``: Redis (embedded unless ``REDIS_URL``), prefill workers, decode workers and the
+gateway as separate processes; waits until the gateway is ready, prints its URL, and on Ctrl-C or SIGTERM stops them
 all."""
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
 
 @dataclass(frozen=True)
 class UpConfig:
+    prefill: int = 1
+    """Prefill workers to start (0: decode workers prefill every prompt)."""
     decode: int = 1
     """Decode workers to start."""
+    kv_transport: str = "ucx"
+    """How prefill workers push KV to decode workers: ``ucx`` or ``nccl``."""
     host: str = "127.0.0.1"
     port: int = 8000
     """The gateway's port."""
@@ -40,8 +44,8 @@ def _raise_stop(signum, frame):
 def run_cluster(cfg: UpConfig) -> int:
     from baton.common.index.server import EmbeddedRedis
 
-    if cfg.decode < 1:
-        print("error: --decode must be at least 1", file=sys.stderr)
+    if cfg.decode < 1 or cfg.prefill < 0:
+        print("error: --decode must be at least 1 and --prefill at least 0", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -58,9 +62,11 @@ def run_cluster(cfg: UpConfig) -> int:
         def log(name: str) -> str | None:
             return os.path.join(cfg.log_dir, f"{name}.log") if cfg.log_dir else None
 
-        for i in range(cfg.decode):
-            args = [*baton_command(), "decode", "--host", cfg.host, "--redis-url", url, *cfg.engine_args]
-            group.spawn(f"decode-{i}", args, log_path=log(f"decode-{i}"))
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for i in range(count):
+                args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
+                args += ["--kv-transport", cfg.kv_transport, *cfg.engine_args]
+                group.spawn(f"{role}-{i}", args, log_path=log(f"{role}-{i}"))
         gateway = [
             *baton_command(),
             "gateway",

@@ -1,0 +1,423 @@
+"""A prefill worker process: an ``AsyncEngine``, a gRPC ``Prefill`` service that pushes each prompt's
+KV blocks to the decode worker that asked for them, Prometheus metrics and a registry heartbeat.
+
+The KV of a prompt leaves from ``LLMEngine.on_step_computed`` (the engine thread, right after each
+forward step, while the step's requests still own their blocks): every block that the step
+completed is queued on the transport at once (``KVSender.send`` returns immediately), so earlier
+blocks travel while later chunks compute. On the step that completes the prompt (and samples the
+first token) the hook waits for the last sends before the engine frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+
+from baton.common.api.convert import params_from_proto
+from baton.common.engine.async_engine import AsyncEngine
+from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.scheduler import SchedulerOutput
+from baton.common.index.server import free_port
+from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
+from baton.common.transfer import KVSender, TransferConfig, TransferDescriptor, make_sender
+from baton.common.transfer.base import BACKENDS
+from baton.protos import baton_pb2, baton_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    """Address the gRPC and metrics servers bind and advertise."""
+    grpc_port: int = 0
+    """0 picks a free port."""
+    metrics_port: int = 0
+    redis_url: str | None = None
+    """Registry to join; None runs unregistered (tests, a single worker)."""
+    worker_id: str = ""
+    """Defaults to ``prefill-<host>-<pid>-<random>``."""
+    heartbeat_ttl_s: float = 6.0
+    prefix_index_max_entries: int = 1_000_000
+    """Bound on the model's prefix index in Redis (block hashes)."""
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """KV transport settings; the backend of each sender is the one its destination names."""
+
+
+@dataclass
+class _Job:
+    """One Prefill RPC in flight. Created on the event loop; advanced on the engine thread."""
+
+    request_id: str
+    prompt_len: int
+    skip_blocks: int
+    dst_block_ids: list[int]
+    sender: KVSender
+    sender_key: str
+    computed: int = 0
+    next_block: int = 0
+    """Index of the first prompt block not yet sent (starts at ``skip_blocks``)."""
+    started: float = 0.0
+    bytes_sent: int = 0
+    done: bool = False
+    error: str | None = None
+
+
+class _TransferCollector:
+    """``baton:kv_transfer_bytes`` and ``baton:kv_transfer_failures`` (counters), read at scrape."""
+
+    def __init__(self, worker: PrefillWorker, labels: dict[str, str]):
+        self.worker = worker
+        self.labels = labels
+
+    def collect(self):
+        for name, doc, value in (
+            (
+                "baton:kv_transfer_bytes",
+                "KV cache bytes sent to decode workers.",
+                self.worker.bytes_sent_total,
+            ),
+            ("baton:kv_transfer_failures", "KV transfers that failed.", self.worker.transfer_failures_total),
+        ):
+            c = CounterMetricFamily(name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
+
+
+class PrefillServicer(baton_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    async def Prefill(self, request, context):
+        w = self.worker
+        assert w.engine is not None
+        llm = w.engine.engine
+        rid = request.request_id
+        ids = list(request.prompt_token_ids)
+        try:
+            if not rid:
+                raise ValueError("request_id must not be empty")
+            params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, min_tokens=0)
+            llm.validate_prompt(ids)
+            bs = llm.config.block_size
+            skip = request.num_skip_tokens
+            if skip < 0 or skip % bs or skip > len(ids):
+                raise ValueError(
+                    f"num_skip_tokens must be a multiple of the block size {bs} in [0, {len(ids)}], got {skip}"
+                )
+            n_blocks = -(-len(ids) // bs)
+            want = n_blocks - skip // bs
+            if len(request.dst_block_ids) != want:
+                raise ValueError(
+                    f"expected {want} dst_block_ids for a {len(ids)}-token prompt skipping {skip} tokens, "
+                    f"got {len(request.dst_block_ids)}"
+                )
+            descriptor = _descriptor(request.destination)
+            if rid in w.jobs:
+                raise ValueError(f"request_id {rid!r} is already in use")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        try:
+            key, sender = await w.sender_for(descriptor)
+        except Exception as e:  # unreachable or bogus destination
+            w.transfer_failures_total += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
+
+        job = _Job(rid, len(ids), skip // bs, list(request.dst_block_ids), sender, key, next_block=skip // bs)
+        w.jobs[rid] = job
+        first = None
+        try:
+            async for d in w.engine.generate(rid, ids, params):
+                if d.token_ids and first is None:
+                    first = d
+                if d.finished:
+                    if first is None:
+                        first = d
+                    break
+        except ValueError as e:  # refused at admission
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            w.jobs.pop(rid, None)
+        if job.error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, job.error)
+        if first is None or not first.token_ids:
+            reason = first.finish_reason if first is not None else "no output"
+            code = grpc.StatusCode.CANCELLED if reason == "abort" else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"prefill of {rid!r} ended without a token ({reason})")
+        assert first is not None
+        if not job.done:  # cannot happen unless the engine skipped the hook
+            await context.abort(grpc.StatusCode.INTERNAL, f"KV of {rid!r} was not sent")
+        cached = first.num_cached_tokens
+        return baton_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=first.token_ids[0],
+            first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+            num_computed_tokens=len(ids) - cached,
+            num_cached_tokens=cached,
+            bytes_sent=job.bytes_sent,
+        )
+
+    async def Abort(self, request, context):
+        w = self.worker
+        assert w.engine is not None
+        for rid in request.request_ids:
+            w.engine.abort(rid)
+            w.jobs.pop(rid, None)
+        return baton_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+
+def _descriptor(msg: baton_pb2.TransferDescriptor) -> TransferDescriptor:
+    try:
+        if msg.extra_json:
+            d = TransferDescriptor.from_dict(json.loads(msg.extra_json))
+        else:
+            d = TransferDescriptor(msg.backend, host=msg.host, port=msg.port)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"bad destination descriptor: {e}") from e
+    if d.backend not in BACKENDS:
+        raise ValueError(f"destination backend must be one of {BACKENDS}, got {d.backend!r}")
+    return d
+
+
+class PrefillWorker:
+    """Owns the engine, servers, senders and heartbeat of one prefill worker. ``start()`` / ``stop()``."""
+
+    def __init__(self, config: PrefillWorkerConfig):
+        self.config = config
+        self.worker_id = config.worker_id or f"prefill-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.grpc_port = config.grpc_port
+        self.metrics_port = config.metrics_port
+        self.engine: AsyncEngine | None = None
+        self.jobs: dict[str, _Job] = {}
+        self.bytes_sent_total = 0
+        self.transfer_failures_total = 0
+        self.num_sends_total = 0
+        """``KVSender.send`` calls (one per step per prompt that completed blocks): for tests."""
+        self._senders: dict[str, KVSender] = {}
+        self._senders_lock = threading.Lock()
+        self._connect_locks: dict[str, asyncio.Lock] = {}
+        self._transfer_seconds: Histogram | None = None
+        self._server: grpc.aio.Server | None = None
+        self._heartbeat: Any = None
+        self._publisher: Any = None
+        self._metrics_server: Any = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
+        llm_engine.on_step_computed = self._on_step_computed
+        on_events = None
+        if cfg.redis_url:
+            on_events = self._start_publisher(llm_engine)
+        self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
+        self.engine.start()
+        registry = CollectorRegistry()
+        labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
+        registry.register(EngineCollector(llm_engine, labels))
+        registry.register(_TransferCollector(self, labels))
+        self._transfer_seconds = Histogram(
+            "baton:kv_transfer_seconds",
+            "Time from a prompt's first KV send to its last block landing.",
+            list(labels),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(**labels)
+        self.metrics_port = self.metrics_port or free_port(cfg.host)
+        self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
+
+        self._server = grpc.aio.server()
+        baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), self._server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{self.grpc_port}")
+        await self._server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        if cfg.redis_url:
+            self._start_heartbeat(llm_engine)
+        log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
+
+    # -- senders ---------------------------------------------------------------------------------
+    async def sender_for(self, descriptor: TransferDescriptor) -> tuple[str, KVSender]:
+        """The connected sender for ``descriptor`` (one per destination), connecting it if new."""
+        assert self.engine is not None
+        key = json.dumps(descriptor.to_dict(), sort_keys=True)
+        with self._senders_lock:
+            sender = self._senders.get(key)
+        if sender is not None:
+            return key, sender
+        lock = self._connect_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            with self._senders_lock:
+                sender = self._senders.get(key)
+            if sender is not None:
+                return key, sender
+            t = self.config.transfer
+            config = TransferConfig(backend=descriptor.backend, host=t.host, timeout_s=t.timeout_s)
+            sender = make_sender(config, self.engine.engine.kv_cache)
+            try:
+                await asyncio.to_thread(sender.connect, descriptor)
+            except BaseException:
+                _close_later(sender)
+                raise
+            with self._senders_lock:
+                self._senders[key] = sender
+            return key, sender
+
+    def _drop_sender(self, key: str, sender: KVSender) -> None:
+        with self._senders_lock:
+            if self._senders.get(key) is sender:
+                del self._senders[key]
+            else:
+                return
+        _close_later(sender)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _on_step_computed(self, sched: SchedulerOutput) -> None:
+        """Push the blocks each active job's chunk completed; on its last chunk, wait for them."""
+        if not self.jobs:
+            return
+        bs = self.config.engine.block_size
+        for r in sched.requests:
+            job = self.jobs.get(r.request_id)
+            if job is None or job.done:
+                continue
+            try:
+                self._advance(job, r.start_pos + r.num_tokens, r.block_ids, bs)
+            except Exception as e:  # never let the engine loop die
+                self._fail(job, f"KV transfer of {job.request_id!r} failed: {e}")
+
+    def _advance(self, job: _Job, computed: int, block_ids: tuple[int, ...], bs: int) -> None:
+        job.computed = computed
+        complete = computed >= job.prompt_len
+        available = -(-job.prompt_len // bs) if complete else computed // bs
+        if available > job.next_block and job.error is None:
+            src = [block_ids[i] for i in range(job.next_block, available)]
+            dst = [job.dst_block_ids[i - job.skip_blocks] for i in range(job.next_block, available)]
+            if not job.started:
+                job.started = time.monotonic()
+            job.sender.send(job.request_id, src, dst)
+            self.num_sends_total += 1
+            job.next_block = available
+        if not complete:
+            return
+        job.done = True
+        handle = job.sender.finish(job.request_id)
+        if job.error is not None:
+            return
+        handle.wait(self.config.transfer.timeout_s)
+        job.bytes_sent = handle.nbytes
+        self.bytes_sent_total += handle.nbytes
+        if self._transfer_seconds is not None and job.started:
+            self._transfer_seconds.observe(time.monotonic() - job.started)
+
+    def _fail(self, job: _Job, message: str) -> None:
+        log.warning("%s", message)
+        job.done = True
+        job.error = message
+        self.transfer_failures_total += 1
+        self._drop_sender(job.sender_key, job.sender)
+
+    # -- registry --------------------------------------------------------------------------------
+    def queued_prefill_tokens(self) -> int:
+        return sum(max(0, j.prompt_len - j.computed) for j in list(self.jobs.values()))
+
+    def _start_publisher(self, llm_engine: LLMEngine):
+        """Publish this worker's cached block hashes to the prefix index (for routing)."""
+        import redis
+
+        from baton.common.index.prefix_index import PrefixIndex
+        from baton.common.index.publisher import CachePublisher
+
+        client = redis.Redis.from_url(self.config.redis_url or "")
+        index = PrefixIndex(client, llm_engine.model_name, max_entries=self.config.prefix_index_max_entries)
+        self._publisher = CachePublisher(index, self.worker_id)
+        self._publisher.start()
+        return self._publisher.submit
+
+    def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
+        import redis
+
+        from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+
+        cfg = self.config
+        client = redis.Redis.from_url(cfg.redis_url or "")
+        reg = WorkerRegistry(client, llm_engine.model_name, cfg.heartbeat_ttl_s)
+        base = WorkerInfo(
+            id=self.worker_id,
+            role="prefill",
+            grpc_address=f"{cfg.host}:{self.grpc_port}",
+            kv_address="",
+            metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+        )
+
+        def current() -> WorkerInfo:
+            s = llm_engine.stats()
+            return base.with_load(
+                queued_prefill_tokens=self.queued_prefill_tokens(),
+                num_running=s["num_requests_running"],
+                num_waiting=s["num_requests_waiting"],
+            )
+
+        self._heartbeat = Heartbeat(reg, current)
+        self._heartbeat.start()
+
+    async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._server is not None:
+            await self._server.stop(grace=2.0)
+        if self.engine is not None:
+            self.engine.stop()
+        with self._senders_lock:
+            senders, self._senders = list(self._senders.values()), {}
+        for s in senders:
+            try:
+                await asyncio.to_thread(s.close)
+            except Exception:
+                log.exception("closing a KV sender")
+        if self._publisher is not None:
+            self._publisher.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+
+def _close_later(sender: KVSender) -> None:
+    """Close a sender off the caller's thread (closing may wait on the transport)."""
+
+    def close() -> None:
+        try:
+            sender.close()
+        except Exception:
+            log.debug("closing a failed KV sender", exc_info=True)
+
+    threading.Thread(target=close, name="baton-sender-close", daemon=True).start()
+
+
+async def serve(config: PrefillWorkerConfig, ready_file: str | None = None) -> None:
+    """Run a prefill worker until cancelled (SIGINT/SIGTERM in ``baton prefill``)."""
+    worker = PrefillWorker(config)
+    await worker.start()
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await worker.stop()

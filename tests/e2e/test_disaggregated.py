@@ -1,0 +1,109 @@
+"""Disaggregated serving in real parts: a prefill worker computes the prompt and pushes its KV over
+UCX into the decode worker's blocks; the decode worker computes none of the prompt and streams the
+same tokens as the offline engine. Short prompts stay local; a dead prefill worker costs a
+recompute, not the request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from baton.common.api.convert import params_to_proto
+from baton.common.engine.llm_engine import EngineConfig
+from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.llm import SamplingParams
+from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
+
+prefill_mod = pytest.importorskip("baton.services.prefill.worker")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ENGINE = EngineConfig(dtype="float32", kv_cache_gib=0.3, max_model_len=2048, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    server = EmbeddedRedis()
+    url = server.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    prefill = prefill_mod.PrefillWorker(prefill_mod.PrefillWorkerConfig(engine=ENGINE, redis_url=url))
+    decode = DecodeWorker(DecodeWorkerConfig(engine=ENGINE, redis_url=url))
+    run = lambda coro, t=300: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=t)  # noqa: E731
+    try:
+        run(prefill.start())
+        run(decode.start())
+        yield decode, prefill
+    finally:
+        for w in (decode, prefill):
+            try:
+                run(w.stop(), 60)
+            except Exception:  # noqa: BLE001 - already stopped by a test
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        server.stop()
+
+
+def _metric(worker, name: str) -> float:
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10).read().decode()
+    )
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)
+    assert m, f"{name} not in metrics"
+    return float(m.group(1))
+
+
+def _generate(decode, ids, rid, prefill_address=""):
+    with grpc.insecure_channel(f"127.0.0.1:{decode.grpc_port}") as channel:
+        req = baton_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params_to_proto(GREEDY),
+            prefill_address=prefill_address,
+        )
+        return [t for c in baton_pb2_grpc.DecodeStub(channel).Generate(req, timeout=120) for t in c.token_ids]
+
+
+def test_prompt_kv_crosses_over_and_decode_computes_none_of_it(pair, llm_fp32):
+    decode, prefill = pair
+    ids = list(range(2000, 2200))  # 200 tokens: 13 blocks, chunked on the prefill worker
+    before_tokens = _metric(decode, "baton:prompt_tokens_computed_total")
+    before_bytes = _metric(decode, "baton:kv_transfer_bytes_total")
+    tokens = _generate(decode, ids, "remote-1", prefill_address=f"127.0.0.1:{prefill.grpc_port}")
+    assert tokens == llm_fp32.generate([ids], GREEDY)[0].outputs[0].token_ids
+    assert _metric(decode, "baton:prompt_tokens_computed_total") == before_tokens
+    block_bytes = decode.engine.engine.kv_cache[0].numel() * decode.engine.engine.kv_cache.element_size()
+    assert _metric(decode, "baton:kv_transfer_bytes_total") - before_bytes == 13 * block_bytes
+    assert decode.engine.engine.num_remote_prefills_total >= 1
+    decode.engine.engine.pool.check_integrity()
+
+
+def test_short_prompt_is_prefilled_locally(pair, llm_fp32):
+    decode, prefill = pair
+    ids = list(range(3000, 3020))  # below the 32-token threshold
+    before = _metric(decode, "baton:prompt_tokens_computed_total")
+    tokens = _generate(decode, ids, "local-1", prefill_address=f"127.0.0.1:{prefill.grpc_port}")
+    assert tokens == llm_fp32.generate([ids], GREEDY)[0].outputs[0].token_ids
+    assert _metric(decode, "baton:prompt_tokens_computed_total") - before == len(ids)
+
+
+def test_unreachable_prefill_worker_means_a_local_recompute(pair, llm_fp32):
+    decode, _ = pair
+    ids = list(range(4000, 4100))
+    before = _metric(decode, "baton:prompt_tokens_computed_total")
+    dead = f"127.0.0.1:{free_port()}"  # nobody listens there
+    tokens = _generate(decode, ids, "fallback-1", prefill_address=dead)
+    assert tokens == llm_fp32.generate([ids], GREEDY)[0].outputs[0].token_ids
+    assert _metric(decode, "baton:prompt_tokens_computed_total") - before == len(ids)
+    deadline = time.monotonic() + 30
+    while decode.engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    decode.engine.engine.pool.check_integrity()
