@@ -8,6 +8,7 @@ calls, and the worker aborts the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -123,10 +124,13 @@ class Dispatcher:
     ) -> AsyncIterator[baton_pb2.GenerateChunk]:
         """One decode request's chunks. A worker that is unreachable before the first chunk is
         left out and another one tried."""
+        prefill = await self._router.pick_prefill(sub.prompt_token_ids)
         request = baton_pb2.GenerateRequest(
             request_id=sub.request_id,
             prompt_token_ids=sub.prompt_token_ids,
             params=params_to_proto(sub.params),
+            prefill_address=prefill.grpc_address if prefill else "",
+            prefill_worker_id=prefill.id if prefill else "",
         )
         tried: list[str] = []
         while True:
@@ -138,10 +142,16 @@ class Dispatcher:
             call = self._router.decode_stub(address).Generate(request, timeout=self._timeout_s)
             last: float | None = None
             try:
-                with self._router.track(address), self._metrics.in_flight.track_inprogress():
-                    async for chunk in call:
-                        last = self._observe(chunk, arrival, last)
-                        yield chunk
+                with contextlib.ExitStack() as queued, self._router.track(address):
+                    if prefill is not None:
+                        queued.enter_context(
+                            self._router.track_prefill(prefill.grpc_address, len(request.prompt_token_ids))
+                        )
+                    with self._metrics.in_flight.track_inprogress():
+                        async for chunk in call:
+                            queued.close()  # the prompt is prefilled once a chunk arrives
+                            last = self._observe(chunk, arrival, last)
+                            yield chunk
                 return
             except grpc.aio.AioRpcError as e:
                 unreached = e.code() == grpc.StatusCode.UNAVAILABLE and last is None

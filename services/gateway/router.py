@@ -50,7 +50,9 @@ class Router:
         self._hasher = BlockHasher(block_size)
         self._refresh_s = refresh_s
         self._decode: list[WorkerInfo] = []
+        self._prefill: list[WorkerInfo] = []
         self._fetched_at = float("-inf")
+        self._queued_tokens: Counter[str] = Counter()  # prompt tokens sent to a prefill worker
         self._refresh_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
@@ -69,7 +71,9 @@ class Router:
     async def _refresh_decode(self) -> None:
         self._fetched_at = time.monotonic()
         try:
-            self._decode = await self.list_workers("decode")
+            workers = await self.list_workers()
+            self._decode = [w for w in workers if w.role == "decode"]
+            self._prefill = [w for w in workers if w.role == "prefill"]
         except Exception as e:  # noqa: BLE001 - a Redis blip: keep routing to the workers last seen
             log.warning("worker registry unreachable: %s", e)
             if not self._decode:
@@ -93,6 +97,32 @@ class Router:
             return uncached + self.LOAD_COST_TOKENS * load[0], load
 
         return min(candidates, key=cost)
+
+    async def pick_prefill(self, prompt_token_ids: Sequence[int]) -> WorkerInfo | None:
+        """The prefill worker where the prompt costs least: tokens it would compute (past the
+        longest prefix it caches) plus the prompt tokens already queued on it. None when no prefill
+        worker is up (the decode worker then prefills)."""
+        await self.decode_workers()  # refreshes both lists
+        if not self._prefill:
+            return None
+        cached = await self._cached_tokens(prompt_token_ids)
+
+        def cost(w: WorkerInfo) -> tuple[float, str]:
+            queued = max(w.load.get("queued_prefill_tokens", 0.0), self._queued_tokens[w.grpc_address])
+            return len(prompt_token_ids) - cached.get(w.id, 0) + queued, w.id
+
+        return min(self._prefill, key=cost)
+
+    @contextmanager
+    def track_prefill(self, address: str, num_tokens: int) -> Iterator[None]:
+        """Count ``num_tokens`` as queued on a prefill worker while the block runs."""
+        self._queued_tokens[address] += num_tokens
+        try:
+            yield
+        finally:
+            self._queued_tokens[address] -= num_tokens
+            if self._queued_tokens[address] <= 0:
+                del self._queued_tokens[address]
 
     async def _cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
         """Worker id -> prompt tokens it caches (longest prefix), or {} without an index."""

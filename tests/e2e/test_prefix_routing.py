@@ -82,6 +82,16 @@ def test_shared_prefixes_go_to_the_worker_that_caches_them(cluster):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(10 in index.longest_prefix(h).values() for h in hashes):
         time.sleep(0.1)
+
+    # ...and until the heartbeats report both workers idle again, so that load does not outweigh
+    # the cached prefix (the router charges each queued request as 256 prompt tokens).
+    def idle() -> bool:
+        loads = [w["load"] for w in httpx.get(f"{base}/workers", timeout=5).json()["workers"]]
+        return all(ld.get("num_running", 0) + ld.get("num_waiting", 0) == 0 for ld in loads)
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not idle():
+        time.sleep(0.2)
     # Each prefix again, one at a time, with a new tail: every one lands where its prefix is cached.
     for p in prefixes:
         usage = _complete(base, p + [9, 9])["usage"]
