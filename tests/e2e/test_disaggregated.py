@@ -107,3 +107,34 @@ def test_unreachable_prefill_worker_means_a_local_recompute(pair, llm_fp32):
     while decode.engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     decode.engine.engine.pool.check_integrity()
+
+
+def test_client_leaving_mid_prefill_frees_blocks_on_both_workers(pair):
+    decode, prefill = pair
+    d_engine, p_engine = decode.engine.engine, prefill.engine.engine
+    d_free, p_free = d_engine.pool.num_free_blocks, p_engine.pool.num_free_blocks
+    ids = [(i * 37) % 30000 + 100 for i in range(1200)]  # ~19 prefill steps of 64 tokens
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    with grpc.insecure_channel(f"127.0.0.1:{decode.grpc_port}") as channel:
+        call = baton_pb2_grpc.DecodeStub(channel).Generate(
+            baton_pb2.GenerateRequest(
+                request_id="leaves", prompt_token_ids=ids, params=params,
+                prefill_address=f"127.0.0.1:{prefill.grpc_port}",
+            ),
+            timeout=120,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while "leaves" not in prefill.jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "leaves" in prefill.jobs, "the prefill never started"
+        call.cancel()  # the client goes away while the prompt is being prefilled
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        prefill.jobs or p_engine.pool.num_free_blocks != p_free or d_engine.pool.num_free_blocks != d_free
+    ):
+        time.sleep(0.05)
+    assert not prefill.jobs
+    assert d_engine.pool.num_free_blocks == d_free
+    assert p_engine.pool.num_free_blocks == p_free
+    d_engine.pool.check_integrity()
+    p_engine.pool.check_integrity()
