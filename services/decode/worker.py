@@ -110,8 +110,13 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
 class RemotePrefill:
     """Asks a prefill worker to fill reserved blocks, and waits for the KV to land."""
 
-    def __init__(self, receiver, descriptor, pick_prefill, config: DecodeWorkerConfig):
+    def __init__(
+        self, receiver, descriptor, pick_prefill, config: DecodeWorkerConfig, locations=None, worker_id=""
+    ):
+        """``locations`` (a ``BlockLocations``) records where each transfer lands and its state."""
         self.receiver = receiver
+        self.locations = locations
+        self.worker_id = worker_id
         self.descriptor_json = json.dumps(descriptor.to_dict())
         self.backend = descriptor.backend
         self.pick_prefill = pick_prefill  # async () -> address | None
@@ -136,6 +141,7 @@ class RemotePrefill:
         dst = block_ids[num_cached // self.block_size :]
         rid = request.request_id
         handle = self.receiver.expect(rid, dst, self.timeout_s)
+        await self._record(rid, dst, "pending")
         try:
             resp = await self._stub(address).Prefill(
                 baton_pb2.PrefillRequest(
@@ -154,12 +160,24 @@ class RemotePrefill:
         except (grpc.aio.AioRpcError, TransferError) as e:
             log.warning("remote prefill of %s via %s failed, prefilling here: %s", rid, address, e)
             await self._release(rid, handle)
+            await self._record(rid, dst, "failed")
             return None
         except asyncio.CancelledError:
             await self._release(rid, handle)
+            await self._record(rid, dst, "cancelled")
             raise
+        await self._record(rid, dst, "landed")
         logprob = resp.first_logprob if params.logprobs is not None else None
         return SampledToken(resp.first_token_id, logprob)
+
+    async def _record(self, rid: str, block_ids: list[int], state: str) -> None:
+        """Publish the transfer's destination and state (a Redis blip only loses the record)."""
+        if self.locations is None:
+            return
+        try:
+            await asyncio.to_thread(self.locations.put, rid, self.worker_id, block_ids, state)
+        except Exception as e:  # noqa: BLE001
+            log.warning("block location of %s not recorded: %s", rid, e)
 
     async def _release(self, rid: str, handle) -> None:
         """Stop expecting the transfer and wait until nothing more can land in its blocks."""
@@ -222,7 +240,21 @@ class DecodeWorker:
             descriptor = self._receiver.start()
             self.kv_address = json.dumps(descriptor.to_dict())
             registry.register(TransferCollector(self._receiver.stats, labels))
-            self._remote = RemotePrefill(self._receiver, descriptor, self._pick_prefill, cfg)
+            import redis
+
+            from baton.common.index.locations import BlockLocations
+
+            locations = BlockLocations(
+                redis.Redis.from_url(cfg.redis_url), llm_engine.model_name, ttl_s=cfg.prefill_timeout_s * 2
+            )
+            self._remote = RemotePrefill(
+                self._receiver,
+                descriptor,
+                self._pick_prefill,
+                cfg,
+                locations=locations,
+                worker_id=self.worker_id,
+            )
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
 

@@ -84,6 +84,16 @@ def test_prompt_kv_crosses_over_and_decode_computes_none_of_it(pair, llm_fp32):
     assert _metric(decode, "baton:kv_transfer_bytes_total") - before_bytes == 13 * block_bytes
     assert decode.engine.engine.num_remote_prefills_total >= 1
     decode.engine.engine.pool.check_integrity()
+    # The block-location record says where the transfer landed.
+    import redis
+
+    from baton.common.index.locations import BlockLocations
+
+    loc = BlockLocations(
+        redis.Redis.from_url(decode.config.redis_url), decode.engine.engine.model_name, 60
+    ).get("remote-1")
+    assert loc is not None and loc.state == "landed" and loc.worker_id == decode.worker_id
+    assert len(loc.block_ids) == 13
 
 
 def test_short_prompt_is_prefilled_locally(pair, llm_fp32):

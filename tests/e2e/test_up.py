@@ -66,18 +66,21 @@ def test_chat_and_completion_through_the_cluster(cluster, llm_fp32):
     ref = llm_fp32.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0]
     assert chat.choices[0].message.content == ref.outputs[0].text
     assert chat.usage.prompt_tokens == len(ref.prompt_token_ids)
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=24, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == ref.outputs[0].text
+    plain = client.completions.create(
+        model=model, prompt="The three laws of robotics are", temperature=0, max_tokens=12
+    )
     stream = client.completions.create(
         model=model, prompt="The three laws of robotics are", temperature=0, max_tokens=12, stream=True
     )
     text = "".join(c.choices[0].text for c in stream if c.choices)
-    assert (
-        text
-        == llm_fp32.generate(
-            ["The three laws of robotics are"], SamplingParams(temperature=0, max_tokens=12)
-        )[0]
-        .outputs[0]
-        .text
+    offline = llm_fp32.generate(
+        ["The three laws of robotics are"], SamplingParams(temperature=0, max_tokens=12)
     )
+    assert text == plain.choices[0].text == offline[0].outputs[0].text
 
 
 def test_sigterm_stops_everything(cluster):
