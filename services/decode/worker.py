@@ -21,17 +21,18 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.scheduler import SampledToken
+from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector
 from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.worker_base import serve_worker, start_grpc, start_heartbeat, start_publisher
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,10 @@ class DecodeWorker:
         llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
         on_events = None
         if cfg.redis_url:
-            on_events = self._start_publisher(llm_engine)
+            self._publisher = start_publisher(
+                cfg.redis_url, llm_engine.model_name, self.worker_id, cfg.prefix_index_max_entries
+            )
+            on_events = self._publisher.submit
         self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
         self.engine.start()
         registry = CollectorRegistry()
@@ -258,41 +262,22 @@ class DecodeWorker:
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
 
-        self._server = grpc.aio.server()
-        baton_pb2_grpc.add_DecodeServicer_to_server(
-            DecodeServicer(self.engine, metrics, self._remote), self._server
+        remote = self._remote
+        self._server, self.grpc_port = await start_grpc(
+            cfg.host,
+            self.grpc_port,
+            lambda srv: baton_pb2_grpc.add_DecodeServicer_to_server(
+                DecodeServicer(self.engine, metrics, remote), srv
+            ),
         )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{self.grpc_port}")
-        await self._server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)
         log.info("decode worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 
-    def _start_publisher(self, llm_engine: LLMEngine):
-        """Publish this worker's cached block hashes to the prefix index (for routing)."""
-        import redis
-
-        from baton.common.index.prefix_index import PrefixIndex
-        from baton.common.index.publisher import CachePublisher
-
-        client = redis.Redis.from_url(self.config.redis_url)
-        index = PrefixIndex(client, llm_engine.model_name, max_entries=self.config.prefix_index_max_entries)
-        self._publisher = CachePublisher(index, self.worker_id)
-        self._publisher.start()
-        return self._publisher.submit
-
     def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
-        import redis
-
-        from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
-
         cfg = self.config
-        client = redis.Redis.from_url(cfg.redis_url)
-        reg = WorkerRegistry(client, llm_engine.model_name, cfg.heartbeat_ttl_s)
-        base = WorkerInfo(
+        assert cfg.redis_url
+        info = WorkerInfo(
             id=self.worker_id,
             role="decode",
             grpc_address=f"{cfg.host}:{self.grpc_port}",
@@ -300,17 +285,17 @@ class DecodeWorker:
             metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
         )
 
-        def current() -> WorkerInfo:
-            s = llm_engine.stats()
-            return base.with_load(
-                num_running=s["num_requests_running"],
-                num_waiting=s["num_requests_waiting"],
-                free_blocks=s["num_free_blocks"],
-            )
+        def load() -> dict[str, float]:
+            st = llm_engine.stats()
+            return {
+                "num_running": st["num_requests_running"],
+                "num_waiting": st["num_requests_waiting"],
+                "free_blocks": st["num_free_blocks"],
+            }
 
-        self._heartbeat = Heartbeat(reg, current)
-        self._heartbeat.start()
-        self._registry = reg
+        self._heartbeat, self._registry = start_heartbeat(
+            cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load
+        )
 
     async def _pick_prefill(self) -> str | None:
         """The least queued prefill worker from the registry (the list is reused for 0.5 s)."""
@@ -346,12 +331,4 @@ class DecodeWorker:
 
 async def serve(config: DecodeWorkerConfig, ready_file: str | None = None) -> None:
     """Run a decode worker until cancelled (SIGINT/SIGTERM in ``baton decode``)."""
-    worker = DecodeWorker(config)
-    await worker.start()
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await worker.stop()
+    await serve_worker(DecodeWorker(config), ready_file)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
@@ -30,11 +29,13 @@ from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
+from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
 from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
 from baton.common.transfer import KVSender, TransferConfig, TransferDescriptor, make_sender
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.worker_base import serve_worker, start_grpc, start_heartbeat, start_publisher
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,10 @@ class PrefillWorker:
         llm_engine.on_step_computed = self._on_step_computed
         on_events = None
         if cfg.redis_url:
-            on_events = self._start_publisher(llm_engine)
+            self._publisher = start_publisher(
+                cfg.redis_url, llm_engine.model_name, self.worker_id, cfg.prefix_index_max_entries
+            )
+            on_events = self._publisher.submit
         self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
         self.engine.start()
         registry = CollectorRegistry()
@@ -242,15 +246,31 @@ class PrefillWorker:
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
 
-        self._server = grpc.aio.server()
-        baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), self._server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{self.grpc_port}")
-        await self._server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.grpc_port = await start_grpc(
+            cfg.host,
+            self.grpc_port,
+            lambda srv: baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), srv),
+        )
         if cfg.redis_url:
-            self._start_heartbeat(llm_engine)
+            info = WorkerInfo(
+                id=self.worker_id,
+                role="prefill",
+                grpc_address=f"{cfg.host}:{self.grpc_port}",
+                kv_address="",
+                metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+            )
+
+            def load() -> dict[str, float]:
+                st = llm_engine.stats()
+                return {
+                    "queued_prefill_tokens": self.queued_prefill_tokens(),
+                    "num_running": st["num_requests_running"],
+                    "num_waiting": st["num_requests_waiting"],
+                }
+
+            self._heartbeat, _ = start_heartbeat(
+                cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load
+            )
         log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 
     # -- senders ---------------------------------------------------------------------------------
@@ -338,46 +358,6 @@ class PrefillWorker:
     def queued_prefill_tokens(self) -> int:
         return sum(max(0, j.prompt_len - j.computed) for j in list(self.jobs.values()))
 
-    def _start_publisher(self, llm_engine: LLMEngine):
-        """Publish this worker's cached block hashes to the prefix index (for routing)."""
-        import redis
-
-        from baton.common.index.prefix_index import PrefixIndex
-        from baton.common.index.publisher import CachePublisher
-
-        client = redis.Redis.from_url(self.config.redis_url or "")
-        index = PrefixIndex(client, llm_engine.model_name, max_entries=self.config.prefix_index_max_entries)
-        self._publisher = CachePublisher(index, self.worker_id)
-        self._publisher.start()
-        return self._publisher.submit
-
-    def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
-        import redis
-
-        from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
-
-        cfg = self.config
-        client = redis.Redis.from_url(cfg.redis_url or "")
-        reg = WorkerRegistry(client, llm_engine.model_name, cfg.heartbeat_ttl_s)
-        base = WorkerInfo(
-            id=self.worker_id,
-            role="prefill",
-            grpc_address=f"{cfg.host}:{self.grpc_port}",
-            kv_address="",
-            metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
-        )
-
-        def current() -> WorkerInfo:
-            s = llm_engine.stats()
-            return base.with_load(
-                queued_prefill_tokens=self.queued_prefill_tokens(),
-                num_running=s["num_requests_running"],
-                num_waiting=s["num_requests_waiting"],
-            )
-
-        self._heartbeat = Heartbeat(reg, current)
-        self._heartbeat.start()
-
     async def stop(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
@@ -412,12 +392,4 @@ def _close_later(sender: KVSender) -> None:
 
 async def serve(config: PrefillWorkerConfig, ready_file: str | None = None) -> None:
     """Run a prefill worker until cancelled (SIGINT/SIGTERM in ``baton prefill``)."""
-    worker = PrefillWorker(config)
-    await worker.start()
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await worker.stop()
+    await serve_worker(PrefillWorker(config), ready_file)

@@ -1,0 +1,64 @@
+"""What the prefill and decode workers share: the gRPC server with health, the registry
+heartbeat, the prefix-cache publisher, and the serve loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+
+
+async def start_grpc(
+    host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None]
+) -> tuple[grpc.aio.Server, int]:
+    """A started ``grpc.aio`` server with the worker's service and gRPC health (SERVING); returns
+    it and the port it bound (``port`` 0 picks one)."""
+    server = grpc.aio.server()
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def start_publisher(redis_url: str, model_name: str, worker_id: str, max_entries: int):
+    """A started ``CachePublisher`` writing this worker's cache events to the prefix index."""
+    import redis
+
+    from baton.common.index.prefix_index import PrefixIndex
+    from baton.common.index.publisher import CachePublisher
+
+    index = PrefixIndex(redis.Redis.from_url(redis_url), model_name, max_entries=max_entries)
+    publisher = CachePublisher(index, worker_id)
+    publisher.start()
+    return publisher
+
+
+def start_heartbeat(
+    redis_url: str, model_name: str, ttl_s: float, info: WorkerInfo, load: Callable[[], dict[str, float]]
+) -> tuple[Heartbeat, WorkerRegistry]:
+    """Register ``info`` and keep it alive with fresh ``load()`` figures on every beat."""
+    import redis
+
+    registry = WorkerRegistry(redis.Redis.from_url(redis_url), model_name, ttl_s)
+    heartbeat = Heartbeat(registry, lambda: info.with_load(**load()))
+    heartbeat.start()
+    return heartbeat, registry
+
+
+async def serve_worker(worker, ready_file: str | None = None) -> None:
+    """Start a worker, note its ports in ``ready_file``, and run until cancelled."""
+    await worker.start()
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await worker.stop()
