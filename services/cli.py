@@ -22,6 +22,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    """Flags every worker takes (engine flags included)."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--redis-url", default=None, help="registry to join")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
+    _engine_args(p)
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         model=a.model,
@@ -118,12 +129,12 @@ def _serve_forever(coro_factory) -> int:
     return 0
 
 
-def cmd_decode(a: argparse.Namespace) -> int:
+def _worker_kwargs(a: argparse.Namespace) -> dict:
+    """The config fields a prefill and a decode worker share, from their common flags."""
     from baton.common.engine.llm_engine import EngineConfig
     from baton.common.transfer import TransferConfig
-    from baton.services.decode.worker import DecodeWorkerConfig, serve
 
-    config = DecodeWorkerConfig(
+    return dict(
         engine=EngineConfig(**_engine_kwargs(a)),
         host=a.host,
         grpc_port=a.port,
@@ -131,25 +142,20 @@ def cmd_decode(a: argparse.Namespace) -> int:
         redis_url=a.redis_url,
         worker_id=a.worker_id,
         transfer=TransferConfig(backend=a.kv_transport, host=a.host),
-        remote_prefill_threshold=a.remote_prefill_threshold,
     )
+
+
+def cmd_decode(a: argparse.Namespace) -> int:
+    from baton.services.decode.worker import DecodeWorkerConfig, serve
+
+    config = DecodeWorkerConfig(**_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold)
     return _serve_forever(lambda: serve(config))
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
-    from baton.common.engine.llm_engine import EngineConfig
-    from baton.common.transfer import TransferConfig
     from baton.services.prefill.worker import PrefillWorkerConfig, serve
 
-    config = PrefillWorkerConfig(
-        engine=EngineConfig(**_engine_kwargs(a)),
-        host=a.host,
-        grpc_port=a.port,
-        metrics_port=a.metrics_port,
-        redis_url=a.redis_url,
-        worker_id=a.worker_id,
-        transfer=TransferConfig(backend=a.kv_transport, host=a.host),
-    )
+    config = PrefillWorkerConfig(**_worker_kwargs(a))
     return _serve_forever(lambda: serve(config))
 
 
@@ -230,26 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     dec = sub.add_parser("decode", help="one decode worker")
-    dec.add_argument("--host", default="127.0.0.1")
-    dec.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
-    dec.add_argument("--metrics-port", type=int, default=0)
-    dec.add_argument("--redis-url", default=None, help="registry to join")
-    dec.add_argument("--worker-id", default="")
-    dec.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
+    _worker_args(dec)
     dec.add_argument(
         "--remote-prefill-threshold", type=int, default=32, help="fewer uncached prompt tokens: prefill here"
     )
-    _engine_args(dec)
     dec.set_defaults(func=cmd_decode)
 
     pre = sub.add_parser("prefill", help="one prefill worker")
-    pre.add_argument("--host", default="127.0.0.1")
-    pre.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
-    pre.add_argument("--metrics-port", type=int, default=0)
-    pre.add_argument("--redis-url", default=None, help="registry to join")
-    pre.add_argument("--worker-id", default="")
-    pre.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
-    _engine_args(pre)
+    _worker_args(pre)
     pre.set_defaults(func=cmd_prefill)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
