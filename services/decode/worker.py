@@ -56,6 +56,8 @@ class DecodeWorkerConfig:
     """The KV transport this worker receives on."""
     remote_prefill_threshold: int = 32
     """Prompts with fewer uncached tokens than this are prefilled here."""
+    colocated: bool = False
+    """Prefill every prompt here: no KV receiver, never a prefill worker."""
     prefill_timeout_s: float = 60.0
     """Bound on one remote prefill (RPC and transfer); past it the prompt is recomputed here."""
 
@@ -79,6 +81,7 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         start = last = time.perf_counter()
         first = True
+        rid = request.request_id
         try:
             async for d in self._deltas(request, params):
                 now = time.perf_counter()
@@ -91,9 +94,18 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
                     last = now
                 if d.finished:
                     self.metrics.e2e.observe(now - start)
-                yield _chunk(d)
+                chunk = _chunk(d)
+                done = self.remote.results.get(rid) if self.remote is not None else None
+                if done is not None:  # prefilled remotely: the prefill worker's cache hits count too
+                    chunk.num_cached_tokens = max(chunk.num_cached_tokens, done.num_cached_tokens)
+                    chunk.kv_transfer_bytes = done.bytes_sent
+                    chunk.kv_bytes_per_token = self.remote.bytes_per_token
+                yield chunk
         except ValueError as e:  # refused at admission, e.g. a request id already in use
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if self.remote is not None:
+                self.remote.results.pop(rid, None)
 
     def _deltas(self, request, params):
         ids = list(request.prompt_token_ids)
@@ -112,7 +124,14 @@ class RemotePrefill:
     """Asks a prefill worker to fill reserved blocks, and waits for the KV to land."""
 
     def __init__(
-        self, receiver, descriptor, pick_prefill, config: DecodeWorkerConfig, locations=None, worker_id=""
+        self,
+        receiver,
+        descriptor,
+        pick_prefill,
+        config: DecodeWorkerConfig,
+        locations=None,
+        worker_id="",
+        bytes_per_token: int = 0,
     ):
         """``locations`` (a ``BlockLocations``) records where each transfer lands and its state."""
         self.receiver = receiver
@@ -124,6 +143,9 @@ class RemotePrefill:
         self.threshold = config.remote_prefill_threshold
         self.block_size = config.engine.block_size
         self.timeout_s = config.prefill_timeout_s
+        self.bytes_per_token = bytes_per_token
+        self.results: dict[str, baton_pb2.PrefillResponse] = {}
+        """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> baton_pb2_grpc.PrefillStub:
@@ -168,6 +190,7 @@ class RemotePrefill:
             await self._record(rid, dst, "cancelled")
             raise
         await self._record(rid, dst, "landed")
+        self.results[rid] = resp
         logprob = resp.first_logprob if params.logprobs is not None else None
         return SampledToken(resp.first_token_id, logprob)
 
@@ -239,7 +262,7 @@ class DecodeWorker:
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))
         metrics = RequestMetrics(registry, labels)
-        if cfg.redis_url:
+        if cfg.redis_url and not cfg.colocated:
             self._receiver = make_receiver(cfg.transfer, llm_engine.kv_cache)
             descriptor = self._receiver.start()
             self.kv_address = json.dumps(descriptor.to_dict())
@@ -258,6 +281,7 @@ class DecodeWorker:
                 cfg,
                 locations=locations,
                 worker_id=self.worker_id,
+                bytes_per_token=llm_engine.kv_cache[0].nbytes // cfg.engine.block_size,
             )
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)

@@ -254,7 +254,13 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         request_id = request.state.request_id
         subs = fan_out(request.state.worker_request_id, prompts, params)
         builder = CompletionBuilder(
-            request_id, gw.served_model, subs, gw.token_text, body.logprobs is not None, body.include_usage
+            request_id,
+            gw.served_model,
+            subs,
+            gw.token_text,
+            body.logprobs is not None,
+            body.include_usage,
+            body.return_token_ids,
         )
         return await gw.respond(request, builder, subs, arrival, body.stream, "prompt")
 
@@ -268,7 +274,13 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         request_id = request.state.request_id
         subs = fan_out(request.state.worker_request_id, [ids], params)
         builder = ChatBuilder(
-            request_id, gw.served_model, subs, gw.token_text, body.logprobs, body.include_usage
+            request_id,
+            gw.served_model,
+            subs,
+            gw.token_text,
+            body.logprobs,
+            body.include_usage,
+            body.return_token_ids,
         )
         return await gw.respond(request, builder, subs, arrival, body.stream, "messages")
 

@@ -45,6 +45,8 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: each choice carries its ``token_ids`` (the response, its ``prompt_token_ids``)."""
 
     @property
     def include_usage(self) -> bool:

@@ -51,6 +51,8 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_bytes_per_token: int = 0
     text_offset: int = 0
     """Characters of the token texts reported so far (completions' ``logprobs.text_offset``)."""
 
@@ -59,6 +61,9 @@ class ChoiceState:
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.kv_transfer_bytes:
+            self.kv_transfer_bytes = chunk.kv_transfer_bytes
+            self.kv_bytes_per_token = chunk.kv_bytes_per_token
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
             self.stop_reason = chunk.stop_reason or None
@@ -80,6 +85,7 @@ class ResponseBuilder:
         token_text: TokenText,
         logprobs: bool,
         include_usage: bool = False,
+        return_token_ids: bool = False,
     ) -> None:
         self.id = f"{self.id_prefix}-{request_id}"
         self.model = model
@@ -87,6 +93,9 @@ class ResponseBuilder:
         self.token_text = token_text
         self.want_logprobs = logprobs
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
+        self.prompt_ids = {s.prompt_index: list(s.prompt_token_ids) for s in subs}
+        self.prompt_of = {s.index: s.prompt_index for s in subs}
         self.prompt_lengths = {s.prompt_index: len(s.prompt_token_ids) for s in subs}
         firsts = {
             s.prompt_index: min(t.index for t in subs if t.prompt_index == s.prompt_index) for s in subs
@@ -102,12 +111,25 @@ class ResponseBuilder:
         prompt = sum(self.prompt_lengths.values())
         completion = sum(len(c.token_ids) for c in self.choices.values())
         cached = sum(c.num_cached_tokens for c in self.choices.values() if c.counts_prompt)
-        return {
+        usage: Json = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        moved = sum(c.kv_transfer_bytes for c in self.choices.values())
+        if moved:  # Baton's extension: KV that prefill workers sent for these prompts
+            usage["kv_transfer_bytes"] = moved
+            usage["kv_bytes_per_token"] = max(c.kv_bytes_per_token for c in self.choices.values())
+        return usage
+
+    def _with_ids(self, choice: Json, index: int, token_ids: Sequence[int], first: bool = False) -> Json:
+        """``choice`` with vLLM's ``token_ids`` (and, on a choice's first form, ``prompt_token_ids``)."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if first:
+                choice["prompt_token_ids"] = self.prompt_ids[self.prompt_of[index]]
+        return choice
 
     def _envelope(self, obj: str, choices: list[Json]) -> Json:
         return {
@@ -163,28 +185,28 @@ class CompletionBuilder(ResponseBuilder):
         }
 
     def _final_choice(self, choice: ChoiceState) -> Json:
-        return {
+        body = {
             "index": choice.index,
             "text": "".join(choice.text),
             "logprobs": self._logprobs(choice, choice.token_ids, choice.logprobs),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        return self._with_ids(body, choice.index, choice.token_ids, first=True)
 
     def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
-        if not (chunk.text or chunk.finish_reason or (self.want_logprobs and chunk.token_ids)):
+        wants_ids = (self.want_logprobs or self.return_token_ids) and chunk.token_ids
+        if not (chunk.text or chunk.finish_reason or wants_ids):
             return None
-        return self.chunk(
-            [
-                {
-                    "index": choice.index,
-                    "text": chunk.text,
-                    "logprobs": self._logprobs(choice, chunk.token_ids, chunk.logprobs),
-                    "finish_reason": chunk.finish_reason or None,
-                    "stop_reason": (chunk.stop_reason or None) if chunk.finish_reason else None,
-                }
-            ]
-        )
+        body = {
+            "index": choice.index,
+            "text": chunk.text,
+            "logprobs": self._logprobs(choice, chunk.token_ids, chunk.logprobs),
+            "finish_reason": chunk.finish_reason or None,
+            "stop_reason": (chunk.stop_reason or None) if chunk.finish_reason else None,
+        }
+        first = len(choice.token_ids) == len(chunk.token_ids)
+        return self.chunk([self._with_ids(body, choice.index, chunk.token_ids, first)])
 
 
 class ChatBuilder(ResponseBuilder):
@@ -202,13 +224,14 @@ class ChatBuilder(ResponseBuilder):
         return {"content": content}
 
     def _final_choice(self, choice: ChoiceState) -> Json:
-        return {
+        body = {
             "index": choice.index,
             "message": {"role": "assistant", "content": "".join(choice.text)},
             "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        return self._with_ids(body, choice.index, choice.token_ids)
 
     def start_chunks(self) -> list[Json]:
         """The first chunk of every choice names the role, as OpenAI's do."""
@@ -227,15 +250,13 @@ class ChatBuilder(ResponseBuilder):
         ]
 
     def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
-        if not (chunk.text or chunk.finish_reason or (self.want_logprobs and chunk.token_ids)):
+        wants_ids = (self.want_logprobs or self.return_token_ids) and chunk.token_ids
+        if not (chunk.text or chunk.finish_reason or wants_ids):
             return None
-        return self.chunk(
-            [
-                {
-                    "index": choice.index,
-                    "delta": {"content": chunk.text} if chunk.text else {},
-                    "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs),
-                    "finish_reason": chunk.finish_reason or None,
-                }
-            ]
-        )
+        body = {
+            "index": choice.index,
+            "delta": {"content": chunk.text} if chunk.text else {},
+            "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs),
+            "finish_reason": chunk.finish_reason or None,
+        }
+        return self.chunk([self._with_ids(body, choice.index, chunk.token_ids)])
