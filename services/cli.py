@@ -3,6 +3,7 @@
 baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
 baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
 baton bench latency --input-len 32 --output-len 512
+baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
 """
 
 from __future__ import annotations
@@ -30,7 +31,22 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="registry to join")
     p.add_argument("--worker-id", default="")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
+    p.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 or 0-1 (default: all)")
     _engine_args(p)
+
+
+def _pin(a: argparse.Namespace) -> int | None:
+    """Apply ``--cpus``; an exit code when it is bad."""
+    if a.cpus is None:
+        return None
+    from baton.services.procs import parse_cpu_list, pin_to_cpus
+
+    try:
+        pin_to_cpus(parse_cpu_list(a.cpus))
+    except (ValueError, OSError) as e:
+        print(f"error: --cpus {a.cpus}: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -148,13 +164,19 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
 def cmd_decode(a: argparse.Namespace) -> int:
     from baton.services.decode.worker import DecodeWorkerConfig, serve
 
-    config = DecodeWorkerConfig(**_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold)
+    if (code := _pin(a)) is not None:
+        return code
+    config = DecodeWorkerConfig(
+        **_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold, colocated=a.colocated
+    )
     return _serve_forever(lambda: serve(config))
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     from baton.services.prefill.worker import PrefillWorkerConfig, serve
 
+    if (code := _pin(a)) is not None:
+        return code
     config = PrefillWorkerConfig(**_worker_kwargs(a))
     return _serve_forever(lambda: serve(config))
 
@@ -183,6 +205,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             ready_timeout_s=a.ready_timeout,
             block_size=a.block_size,
             log_dir=a.log_dir,
+            colocated=a.colocated,
+            cpus=a.cpus,
         )
     )
 
@@ -232,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="the gateway's port")
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     up.add_argument("--log-dir", default=None, help="write each service's output here (default: inherit)")
+    up.add_argument(
+        "--colocated", action="store_true", help="decode workers prefill too: no prefill workers, no KV transfer"
+    )
+    up.add_argument(
+        "--cpus",
+        default=None,
+        help="pin workers to cores: 'auto' (share them out) or one cpu list per worker, prefill workers "
+        "first, e.g. '0|1'",
+    )
     _engine_args(up)
     up.set_defaults(func=cmd_up)
 
@@ -240,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument(
         "--remote-prefill-threshold", type=int, default=32, help="fewer uncached prompt tokens: prefill here"
     )
+    dec.add_argument("--colocated", action="store_true", help="prefill every prompt here (never remotely)")
     dec.set_defaults(func=cmd_decode)
 
     pre = sub.add_parser("prefill", help="one prefill worker")
@@ -270,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--output-json", default=None)
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
+    from baton.services import bench_serve
+
+    bench_serve.register(bench)
     return parser
 
 

@@ -78,6 +78,59 @@ def wait_http_ok(url: str, group: ProcessGroup, timeout: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (Linux's cpu-list form)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad cpu list {spec!r}: expected e.g. 0-1,3") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad cpu list {spec!r}: ranges go low-high and cpus are >= 0")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: Sequence[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def split_cpus(spec: str, num_workers: int, available: Sequence[int]) -> list[list[int]]:
+    """Each worker's cores, from ``baton up --cpus``: ``auto`` shares ``available`` out evenly in
+    order (round-robin when there are more workers than cores), else ``|``-separated cpu lists, one
+    per worker in start order (prefill workers first, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    cores = sorted(available)
+    if spec == "auto":
+        if num_workers <= len(cores):
+            per, extra = divmod(len(cores), num_workers)
+            out, i = [], 0
+            for w in range(num_workers):
+                n = per + (1 if w < extra else 0)
+                out.append(cores[i : i + n])
+                i += n
+            return out
+        return [[cores[w % len(cores)]] for w in range(num_workers)]
+    lists = [parse_cpu_list(part) for part in spec.split("|")]
+    if len(lists) != num_workers:
+        raise ValueError(f"--cpus names {len(lists)} cpu lists for {num_workers} workers")
+    missing = {c for cl in lists for c in cl} - set(cores)
+    if missing:
+        raise ValueError(f"--cpus names cpus this process cannot use: {sorted(missing)} (allowed {cores})")
+    return lists
+
+
+def pin_to_cpus(cpus: Sequence[int]) -> None:
+    """Run this process, and torch's threads, on ``cpus`` only (call before torch starts threads)."""
+    os.sched_setaffinity(0, set(cpus))
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    import torch
+
+    torch.set_num_threads(len(cpus))
+
+
 def baton_command() -> list[str]:
     """How to start another ``baton`` subcommand with this interpreter."""
     return [sys.executable, "-m", "baton.services.cli"]

@@ -31,6 +31,10 @@ class UpConfig:
     block_size: int = 16
     """The workers' KV block size, told to the gateway for prefix-aware routing."""
     log_dir: str | None = None
+    colocated: bool = False
+    """One kind of worker that prefills and decodes (no prefill workers, no KV transfer)."""
+    cpus: str | None = None
+    """Pin workers to cores: ``auto`` or ``|``-separated cpu lists (prefill workers first)."""
 
 
 class _Stop(Exception):
@@ -43,10 +47,19 @@ def _raise_stop(signum, frame):
 
 def run_cluster(cfg: UpConfig) -> int:
     from baton.common.index.server import EmbeddedRedis
+    from baton.services.procs import format_cpu_list, split_cpus
 
     if cfg.decode < 1 or cfg.prefill < 0:
         print("error: --decode must be at least 1 and --prefill at least 0", file=sys.stderr)
         return 2
+    num_prefill = 0 if cfg.colocated else cfg.prefill
+    pins: list[list[int]] | None = None
+    if cfg.cpus:
+        try:
+            pins = split_cpus(cfg.cpus, num_prefill + cfg.decode, sorted(os.sched_getaffinity(0)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     redis = None
@@ -62,10 +75,16 @@ def run_cluster(cfg: UpConfig) -> int:
         def log(name: str) -> str | None:
             return os.path.join(cfg.log_dir, f"{name}.log") if cfg.log_dir else None
 
-        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        n = 0
+        for role, count in (("prefill", num_prefill), ("decode", cfg.decode)):
             for i in range(count):
                 args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
                 args += ["--kv-transport", cfg.kv_transport, *cfg.engine_args]
+                if cfg.colocated and role == "decode":
+                    args.append("--colocated")
+                if pins is not None:
+                    args += ["--cpus", format_cpu_list(pins[n])]
+                n += 1
                 group.spawn(f"{role}-{i}", args, log_path=log(f"{role}-{i}"))
         gateway = [
             *baton_command(),
