@@ -167,6 +167,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self.scheduler.requests or request_id in self._remote:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.scheduler.release_completing(request_id)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -217,7 +218,10 @@ class LLMEngine:
             return []
         self.num_computed_tokens_total += sched.num_batched_tokens
         for r in sched.requests:
-            prompt_len = self.scheduler.requests[r.request_id].num_prompt_tokens
+            req = self.scheduler.requests.get(r.request_id)
+            if req is None:  # a finished request's final block (see Scheduler.completing)
+                continue
+            prompt_len = req.num_prompt_tokens
             self.num_prompt_tokens_computed_total += max(
                 0, min(r.start_pos + r.num_tokens, prompt_len) - r.start_pos
             )

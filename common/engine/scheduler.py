@@ -4,6 +4,11 @@ Each step the scheduler hands every running request the tokens it still has to c
 first, then continuing prefill chunks, then new requests (after a prefix-cache lookup), until the
 token budget is spent. When the pool runs out of blocks the newest running request is preempted:
 its blocks are freed (their cached prefixes stay in the pool) and it is recomputed later.
+
+A request's last sampled token has no KV yet. When that token completes a block, the finished
+request keeps its blocks one step longer and that one token is computed (nothing sampled), so the
+whole block joins the prefix cache: the next turn of a conversation, which repeats the reply, then
+hits all of it instead of all but its last block.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_model_len: int = 8192
     """Longest sequence (prompt + output) a request may reach."""
+    cache_final_block: bool = True
+    """Compute a finished request's last token when it completes a block, to cache that block."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,20 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.completing: list[Request] = []
+        """Finished requests whose last token completes a block: computed next step, then freed."""
+        self._completed: list[Request] = []
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.release_completing(req.request_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.completing)
 
     @property
     def num_waiting(self) -> int:
@@ -88,8 +99,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """End requests (abort, stop string) wherever they are; unknown ids are ignored."""
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, keep_final_block: bool = False
+    ) -> list[Request]:
+        """End requests (abort, stop string) wherever they are; unknown ids are ignored. With
+        ``keep_final_block``, a request whose last token completes a block keeps its blocks until
+        the next step has computed that token (see ``cache_final_block``)."""
         done = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -100,9 +115,27 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             req.status = status
-            self.kv.free(req)
+            if keep_final_block and self._completes_a_block(req):
+                self.completing.append(req)
+            else:
+                self.kv.free(req)
             done.append(req)
         return done
+
+    def release_completing(self, request_id: str) -> None:
+        """Free at once a finished request's blocks still held for its final block: its id is
+        being reused, and blocks are tracked by request id."""
+        for req in [r for r in self.completing if r.request_id == request_id]:
+            self.completing.remove(req)
+            self.kv.free(req)
+
+    def _completes_a_block(self, req: Request) -> bool:
+        return (
+            self.config.cache_final_block
+            and self.kv.pool.enable_caching
+            and req.num_computed_tokens == req.num_tokens - 1
+            and req.num_tokens % self.kv.block_size == 0
+        )
 
     def admit_running(self, req: Request, token: SampledToken | None = None) -> None:
         """Put a request whose blocks are already reserved straight into the running batch: after
@@ -111,6 +144,7 @@ class Scheduler:
         finishes it at once."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.release_completing(req.request_id)
         self.requests[req.request_id] = req
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -129,6 +163,25 @@ class Scheduler:
         # Decodes before prefill chunks: a decode holds a user's stream, a chunk can wait a step.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         done: set[str] = set()
+        # Finished requests' final blocks: one token each, nothing sampled, freed after the step.
+        for req in self.completing:
+            if budget <= 0 or not self.kv.allocate_slots(req, 1):
+                self.kv.free(req)  # not worth a preemption: the block is just not cached
+                continue
+            start = req.num_computed_tokens
+            req.num_computed_tokens += 1
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=(req.all_token_ids[start],),
+                    start_pos=start,
+                    block_ids=tuple(self.kv.block_ids(req.request_id)),
+                    sample=False,
+                )
+            )
+            self._completed.append(req)
+            budget -= 1
+        self.completing = []
         for req in order:
             if budget <= 0:
                 break
@@ -212,8 +265,11 @@ class Scheduler:
                 finished_stopped.append(req.request_id)
             elif reason == RequestStatus.FINISHED_LENGTH:
                 finished_length.append(req.request_id)
-        self.finish_requests(finished_stopped, RequestStatus.FINISHED_STOPPED)
-        self.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH)
+        for req in self._completed:
+            self.kv.free(req)
+        self._completed = []
+        self.finish_requests(finished_stopped, RequestStatus.FINISHED_STOPPED, keep_final_block=True)
+        self.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH, keep_final_block=True)
         return progressed
 
     def _check_stop(self, req: Request) -> RequestStatus | None:

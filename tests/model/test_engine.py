@@ -76,6 +76,27 @@ def test_prefix_hit_computes_only_the_suffix(llm_fp32, ids):
     engine.pool.check_integrity()
 
 
+def test_next_turn_hits_the_whole_reply_when_it_ends_a_block(llm_fp32, ids):
+    """A reply whose last token completes a block gets that token's KV computed after it
+    finishes, so the next turn (history + reply + new text) recomputes none of the history."""
+    engine = llm_fp32.engine
+    engine.pool.reset_prefix_cache()
+    block = engine.config.block_size
+    prompt = ids[: 10 * block - GREEDY.max_tokens]  # prompt + reply = exactly 10 blocks
+    reply = llm_fp32.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    turn2 = prompt + reply + [42, 43, 44]
+    before = engine.num_computed_tokens_total
+    hit = llm_fp32.generate([turn2], GREEDY)[0]
+    assert hit.num_cached_tokens == 10 * block
+    assert engine.num_computed_tokens_total - before == 3 + (GREEDY.max_tokens - 1)
+    engine.pool.reset_prefix_cache()
+    cold = llm_fp32.generate([turn2], GREEDY)[0]
+    assert cold.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids  # the final token's KV is right
+    engine.pool.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks  # nothing held after the last step
+
+
 def test_mixed_batch_gives_each_request_its_tokens_alone(llm_fp32, ids):
     llm_fp32.engine.pool.reset_prefix_cache()
     prompts = [ids[:7], ids[20:150], ids[3:40], ids[60:61], ids[10:100]]

@@ -29,6 +29,8 @@ FILLER = 7  # the token "sampled" when a test does not care which
 
 class Harness:
     def __init__(self, num_blocks: int, block_size: int = 4, **config):
+        # Exact block ids below assume a finished request frees its blocks at once.
+        config.setdefault("cache_final_block", False)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, BlockHasher(block_size))
         self.sched = Scheduler(SchedulerConfig(**config), self.kv)
@@ -568,7 +570,7 @@ class _SimulatedKV:
             assert got == tuple(req.all_token_ids[: pos + 1]), (req.request_id, pos)
 
 
-def _random_workload(seed: int, steps: int = 250) -> dict[str, int]:
+def _random_workload(seed: int, steps: int = 250, cache_final_block: bool = False) -> dict[str, int]:
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
     num_blocks = rng.randint(3, 10)
@@ -580,11 +582,12 @@ def _random_workload(seed: int, steps: int = 250) -> dict[str, int]:
         max_num_batched_tokens=budget,
         max_num_seqs=rng.randint(1, 4),
         max_model_len=max_len,
+        cache_final_block=cache_final_block,
     )
     kv = _SimulatedKV(bs)
     prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     reqs: dict[str, Request] = {}
-    stats = {"preempted": 0, "hits": 0}
+    stats = {"preempted": 0, "hits": 0, "final_blocks": 0}
     step = 0
     while step < steps or h.sched.has_unfinished():
         assert step < steps + 1000, "no progress"
@@ -605,7 +608,11 @@ def _random_workload(seed: int, steps: int = 250) -> dict[str, int]:
         stats["preempted"] += len(out.preempted)
         for s in out.requests:
             req = reqs[s.request_id]
-            if s.start_pos > computed[s.request_id]:
+            if s.request_id not in computed:  # a finished request's final block: its last token
+                assert req.is_finished and not s.sample and s.start_pos == req.num_tokens - 1
+                assert req.num_tokens % bs == 0
+                stats["final_blocks"] += 1
+            elif s.start_pos > computed[s.request_id]:
                 assert computed[s.request_id] == 0  # only a fresh start may skip ahead (prefix hit)
                 stats["hits"] += 1
             assert s.token_ids == tuple(req.all_token_ids[s.start_pos : s.start_pos + s.num_tokens])
@@ -631,10 +638,60 @@ def _random_workload(seed: int, steps: int = 250) -> dict[str, int]:
     return stats
 
 
-def test_random_workloads_never_read_wrong_kv_and_always_finish():
-    totals = {"preempted": 0, "hits": 0}
+@pytest.mark.parametrize("cache_final_block", [False, True])
+def test_random_workloads_never_read_wrong_kv_and_always_finish(cache_final_block):
+    totals = {"preempted": 0, "hits": 0, "final_blocks": 0}
     for seed in range(120):
-        for key, value in _random_workload(seed).items():
+        for key, value in _random_workload(seed, cache_final_block=cache_final_block).items():
             totals[key] += value
-    # The workloads really exercised preemption and prefix hits.
+    # The workloads really exercised preemption and prefix hits (and final blocks, when on).
     assert totals["preempted"] > 400 and totals["hits"] > 2000, totals
+    assert (totals["final_blocks"] > 100) == cache_final_block, totals
+
+
+def test_a_finished_requests_final_block_is_computed_then_cached():
+    h = Harness(8, cache_final_block=True)
+    a = h.add("a", [3, 4, 5, 6, 7, 8], max_tokens=2, ignore_eos=True)
+    h.step()  # prompt: 6 tokens, samples the 7th
+    out = h.step({"a": [9]})  # computes token 7, samples the 8th: done, and it completes block 2
+    assert a.is_finished and a.num_tokens == 8 and "a" not in h.sched.requests
+    assert h.sched.has_unfinished()  # the final block is still to compute
+    used = h.pool.num_free_blocks
+    out = h.step()
+    [final] = out.requests
+    assert (final.request_id, final.start_pos, final.token_ids, final.sample) == ("a", 7, (9,), False)
+    assert h.pool.num_free_blocks == used + 2 and not h.sched.has_unfinished()
+    # The next turn repeats the whole reply: both blocks hit, nothing of the history is recomputed.
+    b = h.add("b", a.all_token_ids + [5, 5])
+    out = h.step()
+    assert out.requests[0].start_pos == 8 and b.num_cached_tokens == 8
+
+
+def test_no_final_block_step_unless_the_last_token_completes_a_block():
+    h = Harness(8, cache_final_block=True)
+    a = h.add("a", [3, 4, 5, 6, 7], max_tokens=2, ignore_eos=True)  # ends at 7 tokens
+    h.step()
+    h.step()
+    assert a.is_finished and not h.sched.has_unfinished() and h.pool.num_free_blocks == 8
+
+
+def test_reusing_a_completing_requests_id_frees_its_blocks_first():
+    h = Harness(8, cache_final_block=True)
+    h.add("a", [3, 4, 5, 6, 7, 8], max_tokens=2, ignore_eos=True)
+    h.step()
+    h.step()
+    assert h.sched.completing
+    h.add("a", [9, 9, 9])  # same id, before the final-block step
+    assert not h.sched.completing
+    out = h.step()
+    assert [(s.request_id, s.start_pos, s.num_tokens) for s in out.requests] == [("a", 0, 3)]
+
+
+def test_aborting_during_the_final_block_step_is_harmless():
+    h = Harness(8, cache_final_block=True)
+    h.add("a", [3, 4, 5, 6, 7, 8], max_tokens=2, ignore_eos=True)
+    h.step()
+    h.step()
+    assert h.sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []  # already finished
+    h.step()
+    assert h.pool.num_free_blocks == 8 and not h.sched.has_unfinished()
