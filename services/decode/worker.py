@@ -96,8 +96,8 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
                     self.metrics.e2e.observe(now - start)
                 chunk = _chunk(d)
                 done = self.remote.results.get(rid) if self.remote is not None else None
-                if done is not None:  # prefilled remotely: the prefill worker's cache hits count too
-                    chunk.num_cached_tokens = max(chunk.num_cached_tokens, done.num_cached_tokens)
+                if done is not None:  # prefilled remotely: what the prefill worker did not compute
+                    chunk.num_cached_tokens = done.num_cached_tokens
                     chunk.kv_transfer_bytes = done.bytes_sent
                     chunk.kv_bytes_per_token = self.remote.bytes_per_token
                 yield chunk
