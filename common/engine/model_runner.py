@@ -3,6 +3,7 @@ over the flat token batch, and samples for the requests that reached their last 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,10 +26,36 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
 def allocate_kv_cache(
     model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers."""
+    """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers.
+
+    A CPU cache asks for transparent huge pages before its first touch: moving KV to another
+    process over shared memory (UCX's cross-memory attach) pins the source page by page, and with
+    2 MB pages a 16k-token SmolLM2 KV moved at ~11 GB/s instead of ~6 GB/s (W5, 2-core host)."""
     cfg = model.config
     shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    if cache.device.type == "cpu":
+        _advise_huge_pages(cache)
+    return cache.zero_()
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) over the whole 2 MB pages inside ``tensor``; a no-op where the kernel
+    or libc says no (THP disabled, not Linux)."""
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def _pad_tables(tables: list[tuple[int, ...]]) -> np.ndarray:

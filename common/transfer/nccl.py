@@ -39,16 +39,16 @@ from baton.common.transfer.base import (
 from baton.common.transfer.blocks import as_block_bytes
 from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
+    HEAD_BYTES,
     KIND_BYE,
     KIND_DATA,
     KIND_KEEPALIVE,
-    PREAMBLE_BYTES,
     Header,
     Preamble,
     Run,
+    decode_head,
     decode_header,
-    decode_preamble,
-    encode_preamble,
+    encode_head,
     plan_message,
 )
 
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 0.05
 KEEPALIVE_S = 0.5
-HEAD_BYTES = 4096  # preamble + header in one fixed-size message, so the next one can be pre-posted
 TAG = 0
 
 
@@ -190,11 +189,9 @@ class _PairReader:
     def read_head(self, head: tuple[torch.Tensor, Any]) -> tuple[Preamble, Header | None]:
         raw, work = head
         _wait(work, self._timeout_s)
-        data = raw.cpu().numpy().tobytes()
-        preamble = decode_preamble(data[:PREAMBLE_BYTES])
+        preamble, header = decode_head(raw.cpu().numpy().tobytes())
         if preamble.kind != KIND_DATA:
             return preamble, None
-        header = data[PREAMBLE_BYTES : PREAMBLE_BYTES + preamble.header_len]
         missing = preamble.header_len - len(header)
         if missing > 0:  # a header longer than the head: its tail follows as one message
             tail = torch.empty(missing, dtype=torch.uint8, device=self._device)
@@ -349,7 +346,6 @@ class _Posted:
 
 def _head_tensors(kind: int, header: bytes, device: torch.device) -> list[torch.Tensor]:
     """The fixed-size head (preamble, then as much header as fits) and the header's tail, if any."""
-    data = encode_preamble(Preamble(kind, 0, len(header))) + header
-    head, tail = data[:HEAD_BYTES], data[HEAD_BYTES:]
-    tensors = [_bytes_tensor(head.ljust(HEAD_BYTES, b"\0"), device)]
+    head, tail = encode_head(kind, 0, header)
+    tensors = [_bytes_tensor(head, device)]
     return tensors + ([_bytes_tensor(tail, device)] if tail else [])

@@ -7,10 +7,23 @@ limits them to TCP (~1 GB/s on loopback); worker-address endpoints without it ma
 and cross-memory attach (~5-11 GB/s here). The price is that UCX does not report a dead peer: the
 receiver's deadlines do.
 
+Tuning (``baton bench transfer``, W5, 2-core host): UCX's own choice between two processes is
+already the best one — sysv shared memory for small messages, rendezvous with a CMA zero-copy read
+(one copy, straight into the destination blocks) from 8 KB on — so no ``UCX_*`` default is set
+here. Measured and rejected: ``UCX_RNDV_THRESH=1M`` (eager copies, slower), ``UCX_RNDV_SCHEME=
+put_zcopy``, ``UCX_CMA_SEG_SIZE=64M`` (no change), delayed submission off (+0.5 ms per transfer).
+What did pay: a CPU cache on transparent huge pages (``allocate_kv_cache``; CMA pins the source
+page by page): 4k tokens ~5 -> ~10 GB/s, 16k tokens ~6.6 -> ~10.5 GB/s, 2-2.6x a loopback TCP
+socket; and one receive fewer per message (below). Below ~1k tokens a transfer is latency-bound
+(~1 ms of thread hand-offs) and a plain socket is faster.
+
 Messages: every message has its own tag, ``stream << 32 | seq``, so a receive posted for a message
-can only ever match that message. A 24-byte preamble goes to the receiver's control tag (named in
-its descriptor), then the header and one payload per run on the message's tag. Payloads are sent
-from and received into slices of the caches themselves.
+can only ever match that message. A fixed-size head (the preamble and, when it fits, the whole
+header) goes to the receiver's control tag (named in its descriptor), then the header's tail if
+any and one payload per run on the message's tag. Payloads are sent from and received into slices
+of the caches themselves. Each completion the receiver awaits costs a few hundred microseconds of
+thread hand-offs here (UCX progress thread, ucxx notifier, event loop), so a message is two waits
+(head, payloads), not three: a one-block transfer took ~1.1 ms with the header as its own message.
 """
 
 from __future__ import annotations
@@ -40,13 +53,13 @@ from baton.common.transfer.base import (
 from baton.common.transfer.blocks import as_block_bytes
 from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
+    HEAD_BYTES,
     KIND_DATA,
-    PREAMBLE_BYTES,
     Preamble,
     Run,
+    decode_head,
     decode_header,
-    decode_preamble,
-    encode_preamble,
+    encode_head,
     plan_message,
 )
 
@@ -221,10 +234,10 @@ class UcxReceiver(TableReceiver):
         import ucxx
 
         while True:
-            buf = bytearray(PREAMBLE_BYTES)
+            buf = bytearray(HEAD_BYTES)
             try:
                 await ucxx.recv(buf, self._control_tag)
-                preamble = decode_preamble(buf)
+                preamble, header_head = decode_head(buf)
             except ValueError as e:
                 logger.error("dropping a malformed KV preamble: %s", e)
                 continue
@@ -232,15 +245,18 @@ class UcxReceiver(TableReceiver):
                 logger.error("KV receiver stopped: %r", e)
                 return
             if preamble.kind == KIND_DATA:
-                self._spawn(self._receive(preamble))
+                self._spawn(self._receive(preamble, header_head))
 
-    async def _receive(self, preamble: Preamble) -> None:
+    async def _receive(self, preamble: Preamble, header_head: bytes) -> None:
         import ucxx
 
         tag = preamble.tag
-        raw = bytearray(preamble.header_len)
         try:
-            await asyncio.wait_for(ucxx.recv(raw, tag), self.config.timeout_s)
+            raw = header_head
+            if len(raw) < preamble.header_len:  # the rest of a long header follows on the tag
+                tail = bytearray(preamble.header_len - len(raw))
+                await asyncio.wait_for(ucxx.recv(tail, tag), self.config.timeout_s)
+                raw += tail
             header = decode_header(raw)
         except Exception as e:
             logger.error("KV message %#x: no header: %r", tag, e)
@@ -349,14 +365,14 @@ class UcxSender(KVSender):
         return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
     async def _send(self, tag: int, header: bytes, runs: list[Run], handle: TransferHandle) -> None:
-        preamble = encode_preamble(Preamble(KIND_DATA, tag, len(header)))
+        head, header_tail = encode_head(KIND_DATA, tag, header)
         payloads = [self._buffers[r.src : r.src + r.count] for r in runs]
         nbytes = sum(p.nbytes for p in payloads)
         started = time.perf_counter()
         ep = self._endpoint
         try:
-            sends = [ep.send(preamble, tag=self._control_tag, force_tag=True)]
-            sends += [ep.send(header, tag=tag, force_tag=True)]
+            sends = [ep.send(head, tag=self._control_tag, force_tag=True)]
+            sends += [ep.send(header_tail, tag=tag, force_tag=True)] if header_tail else []
             sends += [ep.send(p, tag=tag, force_tag=True) for p in payloads]
             await asyncio.wait_for(asyncio.gather(*sends), self.config.timeout_s)
         except Exception as e:

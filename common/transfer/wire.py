@@ -17,6 +17,9 @@ MAGIC = b"BTKV"
 _PREAMBLE = struct.Struct("<4sIQQ")  # magic, kind, stream tag, header length
 PREAMBLE_BYTES = _PREAMBLE.size
 MAX_HEADER_BYTES = 1 << 22
+HEAD_BYTES = 4096
+"""A fixed-size *head*: the preamble, then as much of the header as fits (zero-padded). Receivers
+post it before they know the header's length, so one message carries both (no extra round)."""
 
 KIND_DATA = 1
 KIND_BYE = 2
@@ -84,6 +87,18 @@ def decode_preamble(data: bytes | bytearray | memoryview) -> Preamble:
     if magic != MAGIC or kind not in (KIND_DATA, KIND_BYE, KIND_KEEPALIVE) or header_len > MAX_HEADER_BYTES:
         raise ValueError(f"not a KV transfer preamble: {bytes(data)!r}")
     return Preamble(kind, tag, header_len)
+
+
+def encode_head(kind: int, tag: int, header: bytes) -> tuple[bytes, bytes]:
+    """The ``HEAD_BYTES`` head for a message, and the header's tail that did not fit (often b"")."""
+    data = encode_preamble(Preamble(kind, tag, len(header))) + header
+    return data[:HEAD_BYTES].ljust(HEAD_BYTES, b"\0"), data[HEAD_BYTES:]
+
+
+def decode_head(data: bytes | bytearray | memoryview) -> tuple[Preamble, bytes]:
+    """The preamble of a head and the part of the header it holds (ValueError if malformed)."""
+    preamble = decode_preamble(data[:PREAMBLE_BYTES])
+    return preamble, bytes(data[PREAMBLE_BYTES : PREAMBLE_BYTES + preamble.header_len])
 
 
 def encode_header(transfer_id: str, runs: Sequence[Run]) -> bytes:

@@ -48,6 +48,25 @@ def test_two_senders_fill_one_receiver(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_scattered_blocks_with_a_header_longer_than_the_head(backend):
+    # 600 one-block runs: the header (~4.7 KB of JSON) spills past the fixed-size head.
+    config = TransferConfig(backend=backend, timeout_s=10.0)
+    src = torch.arange(1200 * 4, dtype=torch.float32).view(1200, 4)
+    dst = torch.zeros(1024, 4)
+    src_ids, dst_ids = list(range(0, 1200, 2)), list(range(599, -1, -1))
+    with make_receiver(config, dst) as receiver:
+        descriptor = receiver.start()
+        handle = receiver.expect("scattered", dst_ids)
+        with make_sender(config, src) as sender:
+            sender.connect(descriptor)
+            sender.send("scattered", src_ids, dst_ids)
+            sender.finish("scattered").wait(10)
+        handle.wait(10)
+    assert torch.equal(dst[dst_ids], src[src_ids])
+    assert not dst[600:].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_malformed_sends_and_expects_raise(backend):
     config = TransferConfig(backend=backend)
     cache = torch.zeros(8, 2)

@@ -13,14 +13,17 @@ from baton.common.transfer import TransferConfig, TransferDescriptor, TransferEr
 from baton.common.transfer.base import all_of
 from baton.common.transfer.bookkeeping import Counters, ExpectedTransfers, SendLedger
 from baton.common.transfer.wire import (
+    HEAD_BYTES,
     KIND_DATA,
     PREAMBLE_BYTES,
     Preamble,
     Run,
     check_block_ids,
     coalesce,
+    decode_head,
     decode_header,
     decode_preamble,
+    encode_head,
     encode_header,
     encode_preamble,
     plan_message,
@@ -55,6 +58,20 @@ def test_header_and_preamble_round_trip():
     raw = encode_preamble(Preamble(KIND_DATA, 0xABCD << 32 | 9, 123))
     assert len(raw) == PREAMBLE_BYTES
     assert decode_preamble(raw) == Preamble(KIND_DATA, 0xABCD << 32 | 9, 123)
+
+
+def test_head_carries_a_short_header_whole_and_a_long_one_in_part():
+    short = encode_header("s", [Run(0, 0, 4)])
+    head, tail = encode_head(KIND_DATA, 7, short)
+    assert len(head) == HEAD_BYTES and tail == b""
+    assert decode_head(head) == (Preamble(KIND_DATA, 7, len(short)), short)
+
+    long = encode_header("l", [Run(i, 2 * i, 1) for i in range(1000)])
+    head, tail = encode_head(KIND_DATA, 8, long)
+    assert len(head) == HEAD_BYTES and len(tail) == PREAMBLE_BYTES + len(long) - HEAD_BYTES
+    preamble, part = decode_head(head)
+    assert preamble.header_len == len(long)
+    assert decode_header(part + tail).runs == tuple((2 * i, 1) for i in range(1000))
 
 
 def test_decode_preamble_rejects_garbage():
