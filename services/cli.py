@@ -3,6 +3,7 @@
 baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
 baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
 baton bench latency --input-len 32 --output-len 512
+baton bench transfer --tokens 1024,4096,16384 --output-json w5.json
 baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
 """
 
@@ -257,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     up.add_argument("--log-dir", default=None, help="write each service's output here (default: inherit)")
     up.add_argument(
-        "--colocated", action="store_true", help="decode workers prefill too: no prefill workers, no KV transfer"
+        "--colocated",
+        action="store_true",
+        help="decode workers prefill too: no prefill workers, no KV transfer",
     )
     up.add_argument(
         "--cpus",
@@ -304,9 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--output-json", default=None)
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
-    from baton.services import bench_serve
+    from baton.services import bench_serve, bench_transfer
 
     bench_serve.register(bench)
+    bench_transfer.register(bench)
     return parser
 
 
