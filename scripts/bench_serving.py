@@ -1,0 +1,182 @@
+"""The serving figures of docs/benchmarks.md, in one run: W2 at several rates against Baton
+disaggregated (1 prefill + 1 decode worker, one core each), Baton colocated (one worker, both cores)
+and vLLM (when ``--vllm-serve`` is given), all measured by ``baton bench serve``; then W3 with two
+prefill workers and W4, and a plot per rate.
+
+    .venv/bin/python scripts/bench_serving.py --out docs/bench --rates 0.75,1,1.5 \\
+        --vllm-serve /work/bench/vllm_serve.sh --vllm-bench /work/peer/venv/bin/vllm
+
+``--vllm-serve`` is a command that starts ``vllm serve`` on the port given as its first argument
+(see docs/benchmarks.md); ``--vllm-bench`` runs ``vllm bench serve`` against it at the middle rate,
+to check that both clients agree. Each server is started, measured and stopped in turn, so that
+nothing else runs on the cores while one is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+SLO = ["ttft:1500", "tpot:60"]
+BATON = [sys.executable, "-m", "baton.services.cli"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}) before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def start(cmd: list[str], log: Path, ready_path: str, port: int, timeout: float = 600) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}{ready_path}", proc, timeout)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def bench(port: int, out: Path, label: str, workload: str, extra: list[str]) -> dict:
+    cmd = [*BATON, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--workload", workload,
+           "--label", label, "--output-json", str(out), "--disable-tqdm", *extra]  # fmt: skip
+    print("$", " ".join(cmd[2:]), flush=True)
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    print(run.stdout, run.stderr[-2000:], flush=True)
+    return json.loads(out.read_text())
+
+
+def w2_runs(system: str, port: int, rates: list[str], out: Path, num_prompts: int) -> None:
+    for rate in rates:
+        bench(port, out / f"w2-{system}-{rate}.json", system, "w2",
+              ["--request-rate", rate, "--num-prompts", str(num_prompts), "--goodput", *SLO, "--seed", "0"])  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/bench")
+    ap.add_argument("--rates", default="0.75,1,1.5")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--systems", default="disaggregated,colocated,vllm,w3,w4")
+    ap.add_argument("--vllm-serve", default=None, help="command that starts vllm serve on port $1")
+    ap.add_argument("--vllm-bench", default=None, help="the vllm executable, for vllm bench serve")
+    ap.add_argument("--vllm-tokenizer", default="/work/peer/smollm2-hf")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = a.rates.split(",")
+    systems = a.systems.split(",")
+    up = {
+        "disaggregated": ["--prefill", "1", "--decode", "1", "--cpus", "auto"],
+        "colocated": ["--colocated", "--decode", "1", "--cpus", "auto"],
+    }
+    for system in ("disaggregated", "colocated"):
+        if system not in systems:
+            continue
+        port = free_port()
+        proc = start([*BATON, "up", "--port", str(port), *up[system]], out / f"{system}.log", "/ready", port)
+        try:
+            w2_runs(system, port, rates, out, a.num_prompts)
+            if system == "disaggregated" and "w4" in systems:
+                bench(port, out / "w4-disaggregated.json", "disaggregated", "w4", ["--request-rate", "1"])
+        finally:
+            stop(proc)
+    if "w3" in systems:
+        port = free_port()
+        args = [*BATON, "up", "--port", str(port), "--prefill", "2", "--decode", "1", "--cpus", "auto"]
+        proc = start(args, out / "w3.log", "/ready", port)
+        try:
+            bench(port, out / "w3-2prefill.json", "2 prefill + 1 decode", "w3", ["--max-concurrency", "1"])
+        finally:
+            stop(proc)
+    if "vllm" in systems and a.vllm_serve:
+        port = free_port()
+        proc = start([a.vllm_serve, str(port)], out / "vllm.log", "/v1/models", port, timeout=900)
+        try:
+            w2_runs("vllm", port, rates, out, a.num_prompts)
+            if a.vllm_bench:
+                mid = rates[len(rates) // 2]
+                cmd = [a.vllm_bench, "bench", "serve", "--backend", "vllm", "--base-url",
+                       f"http://127.0.0.1:{port}", "--model", "SmolLM2-135M-Instruct", "--tokenizer",
+                       a.vllm_tokenizer, "--dataset-name", "random", "--random-input-len", "256",
+                       "--random-output-len", "256", "--num-prompts", str(a.num_prompts), "--request-rate", mid,
+                       "--ignore-eos", "--goodput", *SLO, "--percentile-metrics", "ttft,tpot,itl,e2el",
+                       "--metric-percentiles", "50,90,99", "--seed", "0", "--save-result",
+                       "--result-dir", str(out), "--result-filename", f"vllm-bench-serve-{mid}.json"]  # fmt: skip
+                print("$", " ".join(cmd), flush=True)
+                env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+                run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                (out / f"vllm-bench-serve-{mid}.log").write_text(run.stdout + run.stderr)
+                print(run.stdout[-3000:], flush=True)
+        finally:
+            stop(proc)
+    for rate in rates:
+        files = [out / f"w2-{s}-{rate}.json" for s in ("disaggregated", "colocated", "vllm")]
+        files = [str(f) for f in files if f.exists()]
+        if files:
+            subprocess.run(
+                [*BATON, "bench", "plot", *files, "--output", str(out / f"w2-{rate}.png")], check=True
+            )
+    print(summary(out, rates))
+    return 0
+
+
+def summary(out: Path, rates: list[str]) -> str:
+    """The W2 table of docs/benchmarks.md."""
+    lines = [
+        "| rate (req/s) | system | goodput (req/s) | throughput (req/s) | p50/p99 TTFT (ms) | p50/p99 TPOT (ms) | p99 ITL (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rate in rates:
+        for system in ("disaggregated", "colocated", "vllm"):
+            f = out / f"w2-{system}-{rate}.json"
+            if not f.exists():
+                continue
+            s = json.loads(f.read_text())
+            lines.append(
+                f"| {rate} | {system} | {s['request_goodput']:.2f} | {s['request_throughput']:.2f} | "
+                f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.1f} / "
+                f"{s['p99_tpot_ms']:.1f} | {s['p99_itl_ms']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
