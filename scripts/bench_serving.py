@@ -20,9 +20,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from baton.services.procs import ProcessGroup, wait_http_ok
 
 SLO = ["ttft:1500", "tpot:60"]
 BATON = [sys.executable, "-m", "baton.services.cli"]
@@ -36,25 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}) before {url} was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
-
-
 def start(cmd: list[str], log: Path, ready_path: str, port: int, timeout: float = 600) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}{ready_path}", proc, timeout)
+        wait_http_ok(f"http://127.0.0.1:{port}{ready_path}", ProcessGroup([(cmd[0], proc)]), timeout)
     except BaseException:
         stop(proc)
         raise

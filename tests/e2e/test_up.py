@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from baton.common.index.server import free_port
 from baton.common.llm import SamplingParams
+from tests.e2e.up_process import start_up, stop_up
 
 
 def _group_alive(pgid: int) -> bool:
@@ -25,34 +23,10 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    port = free_port()
     logs = tmp_path_factory.mktemp("up-logs")
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port), "--dtype", "float32",
-         "--kv-cache-gib", "1", "--log-dir", str(logs)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own process group: we can check that nothing outlives it
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Baton is ready" in line:
-            break
-    if not any("Baton is ready" in line for line in lines):
-        proc.kill()
-        logs_text = "".join(p.read_text()[-2000:] for p in logs.glob("*.log"))
-        pytest.fail(f"baton up did not become ready:\n{''.join(lines)}\n{logs_text}")
+    port, proc = start_up(["--dtype", "float32", "--kv-cache-gib", "1"], logs)
     yield port, proc
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    stop_up(proc)
 
 
 def test_chat_and_completion_through_the_cluster(cluster, llm_fp32):
