@@ -36,14 +36,14 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     _engine_args(p)
 
 
-def _pin(a: argparse.Namespace) -> int | None:
+def _pin(a: argparse.Namespace, torch_threads: bool = True) -> int | None:
     """Apply ``--cpus``; an exit code when it is bad."""
     if a.cpus is None:
         return None
     from baton.services.procs import parse_cpu_list, pin_to_cpus
 
     try:
-        pin_to_cpus(parse_cpu_list(a.cpus))
+        pin_to_cpus(parse_cpu_list(a.cpus), torch_threads)
     except (ValueError, OSError) as e:
         print(f"error: --cpus {a.cpus}: {e}", file=sys.stderr)
         return 2
@@ -185,6 +185,8 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 def cmd_gateway(a: argparse.Namespace) -> int:
     from baton.services.gateway.app import GatewayConfig, serve
 
+    if (code := _pin(a, torch_threads=False)) is not None:
+        return code
     config = GatewayConfig(
         host=a.host, port=a.port, model=a.model, redis_url=a.redis_url, block_size=a.block_size
     )
@@ -289,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None)
     gw.add_argument("--redis-url", required=True)
     gw.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
+    gw.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 (default: all)")
     gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -122,13 +122,15 @@ def split_cpus(spec: str, num_workers: int, available: Sequence[int]) -> list[li
     return lists
 
 
-def pin_to_cpus(cpus: Sequence[int]) -> None:
-    """Run this process, and torch's threads, on ``cpus`` only (call before torch starts threads)."""
+def pin_to_cpus(cpus: Sequence[int], torch_threads: bool = True) -> None:
+    """Run this process on ``cpus`` only and, with ``torch_threads``, torch's thread pool as wide
+    as they are (call before torch starts threads)."""
     os.sched_setaffinity(0, set(cpus))
     os.environ["OMP_NUM_THREADS"] = str(len(cpus))
-    import torch
+    if torch_threads:
+        import torch
 
-    torch.set_num_threads(len(cpus))
+        torch.set_num_threads(len(cpus))
 
 
 def baton_command() -> list[str]:

@@ -28,15 +28,17 @@ def _bench(base: str, **kw) -> dict:
     return asyncio.run(run_benchmark(BenchConfig(base_url=base, progress=False, timeout_s=120, **kw)))
 
 
-def test_workers_are_pinned_to_their_share_of_the_cores(cluster):
+def test_services_are_pinned_to_their_share_of_the_cores(cluster):
     _, proc = cluster
     workers = worker_pids(proc.pid)
     roles = sorted(name.split("-")[0] for name in workers)
-    assert roles == ["decode", "prefill"]
+    assert roles == ["decode", "gateway", "prefill"]
     want = split_cpus("auto", 2, sorted(os.sched_getaffinity(proc.pid)))
     prefill = next(pid for name, pid in workers.items() if name.startswith("prefill"))
     decode = next(pid for name, pid in workers.items() if name.startswith("decode"))
+    gateway = next(pid for name, pid in workers.items() if name.startswith("gateway"))
     assert allowed_cpus(prefill) == set(want[0]) and allowed_cpus(decode) == set(want[1])
+    assert allowed_cpus(gateway) == set(want[0])  # the front shares the prefill worker's cores
 
 
 def test_w2_from_the_command_line(cluster, tmp_path):

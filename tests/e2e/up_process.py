@@ -65,7 +65,7 @@ def stop_up(proc: subprocess.Popen) -> None:
 
 
 def worker_pids(up_pid: int) -> dict[str, int]:
-    """The worker processes of a ``baton up`` (``prefill``/``decode`` subcommands), by role-and-pid."""
+    """The service processes of a ``baton up`` (``prefill``/``decode``/``gateway``), by role-and-pid."""
     out = {}
     for proc_dir in Path("/proc").iterdir():
         if not proc_dir.name.isdigit():
@@ -78,7 +78,7 @@ def worker_pids(up_pid: int) -> dict[str, int]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if ppid == up_pid and b"baton.services.cli" in cmd:
             role = cmd[cmd.index(b"baton.services.cli") + 1].decode()
-            if role in ("prefill", "decode"):
+            if role in ("prefill", "decode", "gateway"):
                 out[f"{role}-{proc_dir.name}"] = int(proc_dir.name)
     return out
 

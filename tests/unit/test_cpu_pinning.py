@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton.services.procs import format_cpu_list, parse_cpu_list, split_cpus
+from baton.services.up import _front_cpus
 
 
 def test_cpu_lists():
@@ -29,3 +30,10 @@ def test_explicit_lists_one_per_worker():
         split_cpus("0|1", 3, [0, 1])
     with pytest.raises(ValueError, match="cannot use"):
         split_cpus("0|7", 2, [0, 1])
+
+
+def test_gateway_and_redis_share_the_prefill_workers_cores():
+    assert _front_cpus([[0], [1]], num_prefill=1) == [0]
+    assert _front_cpus([[0], [1], [2, 3]], num_prefill=2) == [0, 1]
+    assert _front_cpus([[0, 1]], num_prefill=0) == []  # colocated: the front is not pinned
+    assert _front_cpus(None, num_prefill=1) == []  # no --cpus
