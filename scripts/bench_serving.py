@@ -68,10 +68,19 @@ def bench(port: int, out: Path, label: str, workload: str, extra: list[str]) -> 
     return json.loads(out.read_text())
 
 
-def w2_runs(system: str, port: int, rates: list[str], out: Path, num_prompts: int) -> None:
-    for rate in rates:
-        bench(port, out / f"w2-{system}-{rate}.json", system, "w2",
-              ["--request-rate", rate, "--num-prompts", str(num_prompts), "--goodput", *SLO, "--seed", "0"])  # fmt: skip
+def w2_file(out: Path, system: str, rate: str, repeat: int = 0) -> Path:
+    return out / (f"w2-{system}-{rate}.json" if repeat == 0 else f"w2-{system}-{rate}-r{repeat}.json")
+
+
+def w2_runs(system: str, port: int, rates: list[str], out: Path, num_prompts: int, repeats: int) -> None:
+    # Each run gets its own prompts and arrivals (seed i + 10 r for rate i, repeat r; the same for
+    # every system), because a server keeps the previous run's prompts in its prefix cache: with one
+    # seed for all rates, every rate after the first measured cache hits, 240 of 256 prompt tokens.
+    for r in range(repeats):
+        for i, rate in enumerate(rates, start=1):
+            bench(port, w2_file(out, system, rate, r), system, "w2",
+                  ["--request-rate", rate, "--num-prompts", str(num_prompts), "--goodput", *SLO,
+                   "--seed", str(i + 10 * r)])  # fmt: skip
 
 
 def main() -> int:
@@ -79,6 +88,7 @@ def main() -> int:
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--rates", default="0.75,1,1.5")
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="W2 runs per rate, each with other seeds")
     ap.add_argument("--systems", default="disaggregated,colocated,vllm,w3,w4")
     ap.add_argument("--vllm-serve", default=None, help="command that starts vllm serve on port $1")
     ap.add_argument("--vllm-bench", default=None, help="the vllm executable, for vllm bench serve")
@@ -98,7 +108,7 @@ def main() -> int:
         port = free_port()
         proc = start([*BATON, "up", "--port", str(port), *up[system]], out / f"{system}.log", "/ready", port)
         try:
-            w2_runs(system, port, rates, out, a.num_prompts)
+            w2_runs(system, port, rates, out, a.num_prompts, a.repeats)
             if system == "disaggregated" and "w4" in systems:
                 bench(port, out / "w4-disaggregated.json", "disaggregated", "w4", ["--request-rate", "1"])
         finally:
@@ -115,7 +125,7 @@ def main() -> int:
         port = free_port()
         proc = start([a.vllm_serve, str(port)], out / "vllm.log", "/v1/models", port, timeout=900)
         try:
-            w2_runs("vllm", port, rates, out, a.num_prompts)
+            w2_runs("vllm", port, rates, out, a.num_prompts, a.repeats)
             if a.vllm_bench:
                 mid = rates[len(rates) // 2]
                 cmd = [a.vllm_bench, "bench", "serve", "--backend", "vllm", "--base-url",
@@ -123,7 +133,7 @@ def main() -> int:
                        a.vllm_tokenizer, "--dataset-name", "random", "--random-input-len", "256",
                        "--random-output-len", "256", "--num-prompts", str(a.num_prompts), "--request-rate", mid,
                        "--ignore-eos", "--goodput", *SLO, "--percentile-metrics", "ttft,tpot,itl,e2el",
-                       "--metric-percentiles", "50,90,99", "--seed", "0", "--save-result",
+                       "--metric-percentiles", "50,90,99", "--seed", "100", "--save-result",
                        "--result-dir", str(out), "--result-filename", f"vllm-bench-serve-{mid}.json"]  # fmt: skip
                 print("$", " ".join(cmd), flush=True)
                 env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
@@ -140,6 +150,8 @@ def main() -> int:
                 [*BATON, "bench", "plot", *files, "--output", str(out / f"w2-{rate}.png")], check=True
             )
     print(summary(out, rates))
+    if a.repeats > 1:
+        print(goodput_by_seed(out, rates, a.repeats))
     return 0
 
 
@@ -159,6 +171,22 @@ def summary(out: Path, rates: list[str]) -> str:
                 f"| {rate} | {system} | {s['request_goodput']:.2f} | {s['request_throughput']:.2f} | "
                 f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.1f} / "
                 f"{s['p99_tpot_ms']:.1f} | {s['p99_itl_ms']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def goodput_by_seed(out: Path, rates: list[str], repeats: int) -> str:
+    """W2 goodput of every repeat (seed) and their mean: the arrivals' bursts move it a lot."""
+    head = " | ".join(f"repeat {r}" for r in range(repeats))
+    lines = [f"| rate (req/s) | system | goodput: {head} | mean |", "|---|---|" + "---|" * (repeats + 1)]
+    for rate in rates:
+        for system in ("disaggregated", "colocated", "vllm"):
+            files = [w2_file(out, system, rate, r) for r in range(repeats)]
+            if not all(f.exists() for f in files):
+                continue
+            g = [json.loads(f.read_text())["request_goodput"] for f in files]
+            lines.append(
+                f"| {rate} | {system} | " + " | ".join(f"{x:.2f}" for x in g) + f" | {sum(g) / len(g):.2f} |"
             )
     return "\n".join(lines)
 

@@ -353,6 +353,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "total_input_tokens": in_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
         "request_goodput": good / duration if slos else None,
@@ -449,6 +450,10 @@ def format_table(s: dict) -> str:
     row("Request rate configured (RPS):", rate if isinstance(rate, str) else float(rate or 0))
     row("Benchmark duration (s):", s["duration"])
     row("Total input tokens:", s["total_input_tokens"], "d")
+    if s.get("total_cached_tokens"):
+        # A server's prefix cache turns prefills into hits: say so, or a rerun with the same --seed
+        # quietly measures another workload.
+        row("Input tokens from cache:", s["total_cached_tokens"], "d")
     row("Total generated tokens:", s["total_output_tokens"], "d")
     row("Request throughput (req/s):", s["request_throughput"])
     if s.get("request_goodput") is not None:

@@ -39,8 +39,11 @@ class UpConfig:
 
 def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
     """Where ``--cpus`` puts the gateway and Redis: on the prefill workers' cores, which sit idle
-    between prompts, rather than on a decode worker's, whose every step the streams wait on. W2 at
-    1.5 req/s on 1+1 cores: goodput 0.36 -> 0.61 req/s (docs/benchmarks.md). Colocated: unpinned."""
+    between prompts, rather than on a decode worker's, whose every step all the streams wait on.
+    Colocated (no prefill workers): left to the scheduler. The cost: while a prompt prefills on
+    that core, the gateway gets a share of it only, and with ~16 streams open every stream pauses
+    for about the prefill (p99 ITL ~450 ms at W2 1.5 req/s). Prefill at nice 10 removed those
+    pauses but lowered W2 goodput in 4 of 4 paired runs (median TPOT up 4-12 ms), so it is not done."""
     if not pins or not num_prefill:
         return []
     return sorted({c for cpus in pins[:num_prefill] for c in cpus})

@@ -86,8 +86,17 @@ def test_summary_counts_goodput_tpot_and_failures():
     table = format_table(s | {"request_rate": 1.0})
     for line in ("Successful requests:", "Request goodput (req/s):", "P99 TTFT (ms):", "Mean TPOT (ms):"):
         assert line in table
+    assert s["total_cached_tokens"] == 0 and "from cache" not in table
     no_slo = summarize(rs, 2.0, {})
     assert no_slo["request_goodput"] is None
+
+
+def test_summary_reports_prompt_tokens_served_from_cache():
+    rs = [_res(0.1, 1.1, 11, cached_tokens=8), _res(0.1, 1.1, 11, cached_tokens=0)]
+    rs.append(RequestResult(success=False, cached_tokens=5, error="HTTP 500"))
+    s = summarize(rs, duration=2.0, slos={})
+    assert s["total_cached_tokens"] == 8
+    assert "Input tokens from cache:                8" in format_table(s | {"request_rate": 1.0})
 
 
 def test_w3_hit_rate_against_the_best_possible():
