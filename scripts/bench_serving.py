@@ -68,6 +68,9 @@ def bench(port: int, out: Path, label: str, workload: str, extra: list[str]) -> 
     return json.loads(out.read_text())
 
 
+W2_SYSTEMS = ("disaggregated", "colocated", "vllm")
+
+
 def w2_file(out: Path, system: str, rate: str, repeat: int = 0) -> Path:
     return out / (f"w2-{system}-{rate}.json" if repeat == 0 else f"w2-{system}-{rate}-r{repeat}.json")
 
@@ -143,7 +146,7 @@ def main() -> int:
         finally:
             stop(proc)
     for rate in rates:
-        files = [out / f"w2-{s}-{rate}.json" for s in ("disaggregated", "colocated", "vllm")]
+        files = [w2_file(out, s, rate) for s in W2_SYSTEMS]
         files = [str(f) for f in files if f.exists()]
         if files:
             subprocess.run(
@@ -162,8 +165,8 @@ def summary(out: Path, rates: list[str]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for rate in rates:
-        for system in ("disaggregated", "colocated", "vllm"):
-            f = out / f"w2-{system}-{rate}.json"
+        for system in W2_SYSTEMS:
+            f = w2_file(out, system, rate)
             if not f.exists():
                 continue
             s = json.loads(f.read_text())
@@ -180,7 +183,7 @@ def goodput_by_seed(out: Path, rates: list[str], repeats: int) -> str:
     head = " | ".join(f"repeat {r}" for r in range(repeats))
     lines = [f"| rate (req/s) | system | goodput: {head} | mean |", "|---|---|" + "---|" * (repeats + 1)]
     for rate in rates:
-        for system in ("disaggregated", "colocated", "vllm"):
+        for system in W2_SYSTEMS:
             files = [w2_file(out, system, rate, r) for r in range(repeats)]
             if not all(f.exists() for f in files):
                 continue
