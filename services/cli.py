@@ -106,7 +106,7 @@ def _emit(result: dict, output_json: str | None) -> None:
 
 
 def cmd_bench_offline(a: argparse.Namespace) -> int:
-    from baton.services.bench_offline import run_offline_bench
+    from baton.bench.offline import run_offline_bench
 
     result = run_offline_bench(
         num_prompts=a.num_prompts,
@@ -120,7 +120,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(a: argparse.Namespace) -> int:
-    from baton.services.bench_offline import run_latency_bench
+    from baton.bench.offline import run_latency_bench
 
     result = run_latency_bench(a.input_len, a.output_len, a.seed, _engine_kwargs(a))
     _emit(result, a.output_json)
@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--output-json", default=None)
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
-    from baton.services import bench_serve, bench_transfer
+    from baton.bench import serve as bench_serve
+    from baton.bench import transfer as bench_transfer
 
     bench_serve.register(bench)
     bench_transfer.register(bench)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from baton.services.bench_serve import BenchConfig, run_benchmark
+from baton.bench.serve import BenchConfig, run_benchmark
 from baton.services.procs import split_cpus
 from tests.e2e.up_process import allowed_cpus, start_up, stop_up, worker_pids
 

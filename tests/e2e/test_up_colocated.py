@@ -8,8 +8,8 @@ import os
 import httpx
 import pytest
 
+from baton.bench.serve import BenchConfig, run_benchmark
 from baton.common.llm import SamplingParams
-from baton.services.bench_serve import BenchConfig, run_benchmark
 from tests.e2e.up_process import allowed_cpus, start_up, stop_up, worker_pids
 
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from baton.services import bench_transfer
-from baton.services.bench_transfer_peers import KVGeometry, Peer, PeerError, PeerSpec
+from baton.bench import transfer as bench_transfer
+from baton.bench.transfer_peers import KVGeometry, Peer, PeerError, PeerSpec
 
 pytestmark = pytest.mark.slow
 LINKS = {"ucx", "nccl", "tcp", "memcpy"}

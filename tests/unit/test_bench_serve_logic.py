@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.services.bench_serve import (
+from baton.bench.serve import (
     RequestResult,
     arrival_delays,
     format_table,

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from baton.services.bench_transfer_peers import KV_TRANSPORTS, TCP, KVGeometry, Peer, PeerError, PeerSpec
+from baton.bench.transfer_peers import KV_TRANSPORTS, TCP, KVGeometry, Peer, PeerError, PeerSpec
 
 if TYPE_CHECKING:
     from baton.common.model.config import LlamaConfig
@@ -193,8 +193,8 @@ def measure_prefill(config: TransferBenchConfig, geometry: KVGeometry) -> dict[i
 def _prefill_with_engine(config: TransferBenchConfig, geometry: KVGeometry, counts: list[int]) -> dict:
     import torch
 
+    from baton.bench.offline import make_prompts
     from baton.common.llm import LLM, SamplingParams
-    from baton.services.bench_offline import make_prompts
 
     # A cache that holds one longest prompt; the engine's default budget would allocate gigabytes.
     need = geometry.max_model_len * geometry.bytes_per_token * 1.25
