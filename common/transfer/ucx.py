@@ -73,6 +73,7 @@ UCX_ENV_DEFAULTS = {
     "UCXX_LOG_LEVEL": "ERROR",
 }
 SWEEP_PERIOD_S = 0.05
+PROGRESS_EPOLL_TIMEOUT_MS = 100
 _ADDRESS_HEAD = struct.Struct("<I")  # the receiver's control stream, then its worker address
 
 
@@ -135,6 +136,13 @@ class UcxRuntime:
         import ucxx
 
         ucxx.init(progress_mode="thread", enable_python_future=True)
+        # ucxx's progress thread waits on the worker's event fd with a 1 ms timeout: ~1,000 wake-ups
+        # a second on an idle worker, each preempting a core that the engine's OpenMP team is
+        # spinning on. UCX signals that fd whenever there is work, so the timeout is only a safety
+        # net; restart the thread with a long one.
+        worker = ucxx.core._get_ctx().worker
+        worker.stop_progress_thread()
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_TIMEOUT_MS)
 
     @staticmethod
     async def _reset() -> None:
