@@ -9,7 +9,23 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """A worker's engine, loaded and warmed up (``LLMEngine.warm_up``): what ``AsyncEngine`` calls
+    on its own thread, so that the first request after ready runs at full speed."""
+    engine = LLMEngine.from_config(config, progress=False)
+    engine.warm_up()
+    return engine
+
+
+def model_name(config: EngineConfig) -> str:
+    """The model's name (the registry's key space) without loading it."""
+    from baton.common.model.source import ModelSource
+
+    return ModelSource.resolve(config.model).name
 
 
 async def start_grpc(

@@ -4,6 +4,12 @@ A worker's network front (gRPC, HTTP) runs on an asyncio loop and must never wai
 step; the engine loop must never wait for the network. ``AsyncEngine`` runs ``LLMEngine.step()``
 on a dedicated thread (torch releases the GIL inside its kernels) and hands each request's new
 tokens and text to the caller's event loop as ``StreamDelta``s.
+
+The engine is built on that thread too, so that it is the only thread that ever starts OpenMP
+work. libgomp gives every thread that opens a parallel region its own pool; with a model loaded
+on the main thread and stepped on another, the process holds more OpenMP threads than cores, and
+libgomp then stops spinning between regions and puts its workers to sleep on a futex at every
+barrier: ~230 context switches per token and batch-1 decode 30-40% slower (2-core host).
 """
 
 from __future__ import annotations
@@ -88,10 +94,21 @@ def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
 class AsyncEngine:
     """Owns an ``LLMEngine`` and the thread that steps it. ``start()`` / ``stop()`` explicitly."""
 
-    def __init__(self, engine: LLMEngine, on_cache_events: Callable[[CacheEvents], None] | None = None):
-        """``on_cache_events`` receives each step's prefix-cache changes on the engine thread; it
-        must only hand them over (e.g. ``CachePublisher.submit``)."""
-        self.engine = engine
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        on_cache_events: Callable[[CacheEvents], None] | None = None,
+    ):
+        """``engine`` is an engine, or a factory that ``start()`` calls on the engine thread (what a
+        worker should pass: see the module's docstring). ``on_cache_events`` receives each step's
+        prefix-cache changes on the engine thread; it must only hand them over (e.g.
+        ``CachePublisher.submit``)."""
+        if isinstance(engine, LLMEngine):
+            built = engine
+            self._factory: Callable[[], LLMEngine] = lambda: built
+        else:
+            self._factory = engine
+        self._engine: LLMEngine | None = None
         self._on_cache_events = on_cache_events
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -100,11 +117,25 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> None:
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("AsyncEngine not started")
+        return self._engine
+
+    def start(self) -> LLMEngine:
+        """Start the engine thread, build the engine on it, and return it once built; an error
+        while building is raised here."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine already started")
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="baton-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if self._engine is None:
+            self._thread.join()
+            raise RuntimeError("building the engine failed") from self.error
+        return self._engine
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -193,7 +224,14 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, built: threading.Event) -> None:
+        try:
+            self._engine = self._factory()
+        except BaseException as e:
+            self.error = e
+            return
+        finally:
+            built.set()
         try:
             while not self._stopping.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())

@@ -209,6 +209,39 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    _COUNTERS = (
+        "num_computed_tokens_total",
+        "num_prompt_tokens_computed_total",
+        "num_generated_tokens_total",
+        "num_steps_with_prefill",
+        "num_preemptions_total",
+    )
+
+    def warm_up(self, prompt_len: int = 96, decode_steps: int = 4) -> None:
+        """Serve two prompts (a prefill step, a mixed step, decode steps) before the first real
+        request, so that the kernels are loaded and the allocator and oneDNN's primitives are warm:
+        a worker that says it is ready serves its first request at full speed. Leaves no trace: no
+        cached prefix, no cache events, counters as they were. Only on a fresh, idle engine (it
+        forgets every cached prefix)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up needs an idle engine")
+        saved = {name: getattr(self, name) for name in self._COUNTERS}
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        n = max(1, min(prompt_len, self.max_model_len - decode_steps - 1))
+        vocab = self.model.config.vocab_size
+        params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
+        for i in range(2):
+            ids = [(7 + 31 * j + i) % vocab for j in range(n - 8 * i)]
+            self.add_request(f"__warm_up-{i}", ids, params)
+            self.step()
+        while self.has_unfinished_requests():
+            self.step()
+        self.pool.reset_prefix_cache()
+        self.pool.take_events()
+        for name, value in saved.items():
+            setattr(self, name, value)
+        self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = queries, hits
+
     # -- the step ------------------------------------------------------------------------------
     def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
         """Run one step; return outputs of the requests that finished in it and, with

@@ -32,7 +32,14 @@ from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector
 from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
-from baton.services.worker_base import serve_worker, start_grpc, start_heartbeat, start_publisher
+from baton.services.worker_base import (
+    build_engine,
+    model_name,
+    serve_worker,
+    start_grpc,
+    start_heartbeat,
+    start_publisher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +256,14 @@ class DecodeWorker:
 
     async def start(self) -> None:
         cfg = self.config
-        llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
         on_events = None
         if cfg.redis_url:
             self._publisher = start_publisher(
-                cfg.redis_url, llm_engine.model_name, self.worker_id, cfg.prefix_index_max_entries
+                cfg.redis_url, model_name(cfg.engine), self.worker_id, cfg.prefix_index_max_entries
             )
             on_events = self._publisher.submit
-        self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
-        self.engine.start()
+        self.engine = AsyncEngine(functools.partial(build_engine, cfg.engine), on_cache_events=on_events)
+        llm_engine = await asyncio.to_thread(self.engine.start)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))

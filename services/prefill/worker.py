@@ -35,7 +35,14 @@ from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
 from baton.common.transfer import KVSender, TransferConfig, TransferDescriptor, make_sender
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
-from baton.services.worker_base import serve_worker, start_grpc, start_heartbeat, start_publisher
+from baton.services.worker_base import (
+    build_engine,
+    model_name,
+    serve_worker,
+    start_grpc,
+    start_heartbeat,
+    start_publisher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -222,16 +229,20 @@ class PrefillWorker:
 
     async def start(self) -> None:
         cfg = self.config
-        llm_engine = LLMEngine.from_config(cfg.engine, progress=False)
-        llm_engine.on_step_computed = self._on_step_computed
         on_events = None
         if cfg.redis_url:
             self._publisher = start_publisher(
-                cfg.redis_url, llm_engine.model_name, self.worker_id, cfg.prefix_index_max_entries
+                cfg.redis_url, model_name(cfg.engine), self.worker_id, cfg.prefix_index_max_entries
             )
             on_events = self._publisher.submit
-        self.engine = AsyncEngine(llm_engine, on_cache_events=on_events)
-        self.engine.start()
+
+        def build() -> LLMEngine:
+            engine = build_engine(cfg.engine)
+            engine.on_step_computed = self._on_step_computed  # after the warm-up: no job to push
+            return engine
+
+        self.engine = AsyncEngine(build, on_cache_events=on_events)
+        llm_engine = await asyncio.to_thread(self.engine.start)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))

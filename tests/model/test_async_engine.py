@@ -107,3 +107,35 @@ def test_event_loop_keeps_running_while_the_engine_works(async_engine):
         return ticks
 
     assert asyncio.run(main()) >= 3
+
+
+def test_a_factory_builds_the_engine_on_the_engine_thread(llm_fp32):
+    """The thread that steps the engine is the one that built it: one OpenMP pool per process."""
+    import threading
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_ident())
+        return llm_fp32.engine
+
+    engine = AsyncEngine(build)
+    assert engine.start() is llm_fp32.engine
+    try:
+        assert built_on and built_on[0] != threading.get_ident()
+        assert built_on[0] == engine._thread.ident
+        _, tokens, _ = asyncio.run(_collect(engine, "f", [1, 2, 3, 4], GREEDY))
+        assert tokens == llm_fp32.generate([[1, 2, 3, 4]], GREEDY)[0].outputs[0].token_ids
+    finally:
+        engine.stop()
+
+
+def test_a_factory_that_fails_fails_start():
+    def build():
+        raise OSError("no such model")
+
+    engine = AsyncEngine(build)
+    with pytest.raises(RuntimeError, match="building the engine failed") as info:
+        engine.start()
+    assert isinstance(info.value.__cause__, OSError)
+    assert not engine.is_running

@@ -235,3 +235,22 @@ def test_cache_budget_too_small_for_one_context_is_refused(llm_fp32):
     src = llm_fp32.engine
     with pytest.raises(ValueError, match="kv_cache_gib"):
         LLMEngine(replace(src.config, kv_cache_gib=0.001), src.model, src.tokenizer, src.eos_token_ids)
+
+
+def test_warm_up_leaves_no_trace(llm_fp32, ids):
+    engine = llm_fp32.engine
+    before = _tokens(llm_fp32, [ids])
+    engine.pool.reset_prefix_cache()
+    engine.pool.take_events()
+    counters = {name: getattr(engine, name) for name in engine._COUNTERS}
+    queries, hits = engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits
+    engine.warm_up()
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert not engine.pool._cached  # nothing of the warm-up can be hit by a request
+    events = engine.pool.take_events()
+    assert not events.stored and not events.removed  # nothing to publish to the prefix index
+    assert {name: getattr(engine, name) for name in engine._COUNTERS} == counters
+    assert (engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits) == (queries, hits)
+    engine.pool.check_integrity()
+    assert _tokens(llm_fp32, [ids]) == before
