@@ -133,39 +133,44 @@ class Dispatcher:
             prefill_worker_id=prefill.id if prefill else "",
         )
         tried: list[str] = []
-        while True:
-            try:
-                worker = await self._router.pick_decode(exclude=tried, prompt_token_ids=sub.prompt_token_ids)
-            except NoWorkerError as e:
-                raise unavailable(str(e), code="no_decode_worker") from None
-            address = worker.grpc_address
-            call = self._router.decode_stub(address).Generate(request, timeout=self._timeout_s)
-            last: float | None = None
-            try:
-                with contextlib.ExitStack() as queued, self._router.track(address):
-                    if prefill is not None:
-                        queued.enter_context(
-                            self._router.track_prefill(prefill.grpc_address, len(request.prompt_token_ids))
-                        )
-                    with self._metrics.in_flight.track_inprogress():
+        with contextlib.ExitStack() as queued:
+            if prefill is not None:
+                # Counted at once, before anything awaits, so that requests picking at the same
+                # moment see this prompt queued there and spread over the prefill workers.
+                queued.enter_context(
+                    self._router.track_prefill(prefill.grpc_address, len(sub.prompt_token_ids))
+                )
+            while True:
+                try:
+                    worker = await self._router.pick_decode(
+                        exclude=tried, prompt_token_ids=sub.prompt_token_ids
+                    )
+                except NoWorkerError as e:
+                    raise unavailable(str(e), code="no_decode_worker") from None
+                address = worker.grpc_address
+                call = self._router.decode_stub(address).Generate(request, timeout=self._timeout_s)
+                last: float | None = None
+                try:
+                    with self._router.track(address), self._metrics.in_flight.track_inprogress():
                         async for chunk in call:
                             queued.close()  # the prompt is prefilled once a chunk arrives
                             last = self._observe(chunk, arrival, last)
                             yield chunk
-                return
-            except grpc.aio.AioRpcError as e:
-                unreached = e.code() == grpc.StatusCode.UNAVAILABLE and last is None
-                if unreached and len(tried) < MAX_ATTEMPTS - 1:
-                    self._router.forget(address)
-                    tried.append(address)
-                    continue
-                raise rpc_error(e, prompt_param) from None
-            finally:
-                call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
+                    return
+                except grpc.aio.AioRpcError as e:
+                    unreached = e.code() == grpc.StatusCode.UNAVAILABLE and last is None
+                    if unreached and len(tried) < MAX_ATTEMPTS - 1:
+                        self._router.forget(address)
+                        tried.append(address)
+                        continue
+                    raise rpc_error(e, prompt_param) from None
+                finally:
+                    call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
 
     def _observe(self, chunk: baton_pb2.GenerateChunk, arrival: float, last: float | None) -> float | None:
         """Record a chunk's latencies and counts; returns the time of the latest token."""
         m, now = self._metrics, time.perf_counter()
+        m.chunk_received(chunk)
         if chunk.finish_reason:
             m.latency.e2e.observe(now - arrival)
             m.finished(chunk.finish_reason)
