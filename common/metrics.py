@@ -6,7 +6,7 @@ latencies are histograms observed by the service that sees the request's life.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,6 +55,18 @@ class EngineCollector:
         )
         yield self._c("baton:generation_tokens", "Tokens generated.", e.num_generated_tokens_total)
         yield self._c("baton:num_preemptions", "Requests preempted.", e.num_preemptions_total)
+        yield self._c("baton:engine_steps", "Engine steps run.", e.num_steps_total)
+        yield self._c("baton:engine_step_seconds", "Time in engine steps.", e.step_seconds_total)
+        yield self._c(
+            "baton:engine_forward_seconds",
+            "Time in the model's forward pass and sampling (part of the steps).",
+            e.forward_seconds_total,
+        )
+        yield self._c(
+            "baton:engine_detokenize_seconds",
+            "Time detokenizing output (part of the steps).",
+            e.detokenize_seconds_total,
+        )
 
 
 class TransferCollector:
@@ -90,3 +102,14 @@ class RequestMetrics:
         self.ttft = hist("baton:time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("baton:inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("baton:e2e_request_latency_seconds", "Request latency, arrival to last token.")
+
+
+def stream_handoff(registry: CollectorRegistry, labels: dict[str, str]):
+    """A worker's lag from the engine thread handing tokens over to their gRPC chunk leaving the
+    servicer (the event loop's share of a served token's latency)."""
+    return Summary(
+        "baton:stream_handoff_seconds",
+        "From the engine thread handing tokens over to their gRPC chunk leaving the servicer.",
+        list(labels),
+        registry=registry,
+    ).labels(**labels)

@@ -4,6 +4,7 @@ baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json
 baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
 baton bench latency --input-len 32 --output-len 512
 baton bench transfer --tokens 1024,4096,16384 --output-json w5.json
+baton bench breakdown --runs 3 -- --colocated    # where a served token's time goes
 baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
 """
 
@@ -310,11 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--output-json", default=None)
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
+    from baton.bench import breakdown as bench_breakdown
     from baton.bench import serve as bench_serve
     from baton.bench import transfer as bench_transfer
 
     bench_serve.register(bench)
     bench_transfer.register(bench)
+    bench_breakdown.register(bench)
     return parser
 
 

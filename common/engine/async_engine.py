@@ -18,6 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ class StreamDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    published_unix_s: float = 0.0
+    """When the engine thread handed it over (wall clock): the serving breakdown's zero."""
 
 
 @dataclass
@@ -301,4 +304,5 @@ class AsyncEngine:
         delta = stream.delta(out)
         if out.finished:
             del self._streams[out.request_id]
+        delta.published_unix_s = time.time()
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +100,12 @@ class LLMEngine:
         self.num_steps_with_prefill = 0
         self.num_preemptions_total = 0
         self.num_remote_prefills_total = 0
+        # Where a step's time goes (``baton bench breakdown``): the whole step, the model's forward
+        # pass and sampling, and detokenizing output.
+        self.num_steps_total = 0
+        self.step_seconds_total = 0.0
+        self.forward_seconds_total = 0.0
+        self.detokenize_seconds_total = 0.0
         self._remote: dict[str, Request] = {}  # parked while another worker prefills them
 
     @classmethod
@@ -246,6 +253,7 @@ class LLMEngine:
     def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
         """Run one step; return outputs of the requests that finished in it and, with
         ``include_unfinished``, cumulative outputs of every request that received a token."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -262,7 +270,9 @@ class LLMEngine:
         self.num_preemptions_total += len(sched.preempted)
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
+        forward = time.perf_counter()
         sampled = self.runner.execute(sched, requests, gens)
+        self.forward_seconds_total += time.perf_counter() - forward
         if self.on_step_computed is not None:
             self.on_step_computed(sched)
         progressed = self.scheduler.update_from_output(sched, sampled)
@@ -276,6 +286,8 @@ class LLMEngine:
                 self._forget(req.request_id)
             elif include_unfinished:
                 outputs.append(self._make_output(req))
+        self.num_steps_total += 1
+        self.step_seconds_total += time.perf_counter() - start
         return outputs
 
     def _check_stop_strings(self, req: Request) -> None:
@@ -288,9 +300,12 @@ class LLMEngine:
                 return
 
     def _detokenize(self, req: Request) -> str:
-        return self.tokenizer.decode(
+        start = time.perf_counter()
+        text = self.tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
+        self.detokenize_seconds_total += time.perf_counter() - start
+        return text
 
     def _make_output(self, req: Request) -> RequestOutput:
         text = self._detokenize(req)

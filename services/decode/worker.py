@@ -29,7 +29,7 @@ from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.scheduler import SampledToken
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
-from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector
+from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector, stream_handoff
 from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.worker_base import (
@@ -75,10 +75,14 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
         engine: AsyncEngine,
         metrics: RequestMetrics,
         remote: RemotePrefill | None = None,
+        handoff=None,
     ):
+        """``handoff`` (a ``common.metrics.stream_handoff`` summary) observes each chunk's lag
+        behind the engine."""
         self.engine = engine
         self.metrics = metrics
         self.remote = remote
+        self.handoff = handoff
 
     async def Generate(self, request, context):
         try:
@@ -102,6 +106,8 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
                 if d.finished:
                     self.metrics.e2e.observe(now - start)
                 chunk = _chunk(d)
+                if self.handoff is not None:
+                    self.handoff.observe(time.time() - d.published_unix_s)
                 done = self.remote.results.get(rid) if self.remote is not None else None
                 if done is not None:  # prefilled remotely: what the prefill worker did not compute
                     chunk.num_cached_tokens = done.num_cached_tokens
@@ -233,6 +239,7 @@ def _chunk(d) -> baton_pb2.GenerateChunk:
         stop_reason="" if d.stop_reason is None else str(d.stop_reason),
         num_prompt_tokens=d.num_prompt_tokens,
         num_cached_tokens=d.num_cached_tokens,
+        published_unix_s=d.published_unix_s,
     )
 
 
@@ -297,7 +304,7 @@ class DecodeWorker:
             cfg.host,
             self.grpc_port,
             lambda srv: baton_pb2_grpc.add_DecodeServicer_to_server(
-                DecodeServicer(self.engine, metrics, remote), srv
+                DecodeServicer(self.engine, metrics, remote, stream_handoff(registry, labels)), srv
             ),
         )
         if cfg.redis_url:

@@ -149,7 +149,9 @@ class Gateway:
             await chunks.aclose()
             raise
         return SSEResponse(
-            events(builder, first, chunks), cleanup=chunks.aclose, headers={"Cache-Control": "no-cache"}
+            events(builder, first, chunks, self.metrics.chunk_written),
+            cleanup=chunks.aclose,
+            headers={"Cache-Control": "no-cache"},
         )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Summary
 
 from baton.common.metrics import RequestMetrics
 
@@ -39,7 +41,24 @@ class GatewayMetrics:
             ["model_name"],
             registry=self.registry,
         ).labels(**labels)
+        self.chunk_lag = Summary(
+            "baton:gateway_chunk_lag_seconds",
+            "A chunk's lag behind the engine that produced it: when the gateway received it from the "
+            "worker (stage=received) and when it handed its event to the HTTP server (stage=written).",
+            ["stage"],
+            registry=self.registry,
+        )
+        self._lag_received = self.chunk_lag.labels(stage="received")
+        self._lag_written = self.chunk_lag.labels(stage="written")
         self._model_name = model_name
+
+    def chunk_received(self, chunk) -> None:
+        if chunk.published_unix_s:
+            self._lag_received.observe(time.time() - chunk.published_unix_s)
+
+    def chunk_written(self, chunk) -> None:
+        if chunk.published_unix_s:
+            self._lag_written.observe(time.time() - chunk.published_unix_s)
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(model_name=self._model_name, finished_reason=reason or "unknown").inc()

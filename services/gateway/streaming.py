@@ -46,8 +46,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def events(builder: ResponseBuilder, first, chunks: AsyncGenerator) -> AsyncIterator[str]:
-    """The SSE body: role chunks (chat), one chunk per worker chunk, the usage chunk, ``[DONE]``."""
+async def events(
+    builder: ResponseBuilder,
+    first,
+    chunks: AsyncGenerator,
+    on_written: Callable[[object], None] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE body: role chunks (chat), one chunk per worker chunk, the usage chunk, ``[DONE]``.
+    ``on_written(chunk)`` runs as each worker chunk's event goes to the HTTP server."""
     try:
         for body in builder.start_chunks():
             yield sse(body)
@@ -56,6 +62,8 @@ async def events(builder: ResponseBuilder, first, chunks: AsyncGenerator) -> Asy
             index, chunk = item
             body = builder.delta_chunk(builder.add(index, chunk), chunk)
             if body is not None:
+                if on_written is not None:
+                    on_written(chunk)
                 yield sse(body)
             item = await anext(chunks, None)
         if builder.include_usage:
