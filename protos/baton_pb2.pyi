@@ -116,6 +116,16 @@ class PrefillResponse(_message.Message):
     bytes_sent: int
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
+class ConnectRequest(_message.Message):
+    __slots__ = ("destination",)
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    destination: TransferDescriptor
+    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -154,6 +154,11 @@ class PrefillStub:
                 request_serializer=baton_dot_protos_dot_baton__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=baton_dot_protos_dot_baton__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/baton.v1.Prefill/Connect',
+                request_serializer=baton_dot_protos_dot_baton__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=baton_dot_protos_dot_baton__pb2.ConnectResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/baton.v1.Prefill/Abort',
                 request_serializer=baton_dot_protos_dot_baton__pb2.AbortRequest.SerializeToString,
@@ -165,6 +170,12 @@ class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +194,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=baton_dot_protos_dot_baton__pb2.PrefillRequest.FromString,
                     response_serializer=baton_dot_protos_dot_baton__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=baton_dot_protos_dot_baton__pb2.ConnectRequest.FromString,
+                    response_serializer=baton_dot_protos_dot_baton__pb2.ConnectResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -217,6 +233,33 @@ class Prefill:
             '/baton.v1.Prefill/Prefill',
             baton_dot_protos_dot_baton__pb2.PrefillRequest.SerializeToString,
             baton_dot_protos_dot_baton__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Prefill/Connect',
+            baton_dot_protos_dot_baton__pb2.ConnectRequest.SerializeToString,
+            baton_dot_protos_dot_baton__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,38 @@ def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
     return sorted({c for cpus in pins[:num_prefill] for c in cpus})
 
 
+def wait_connected(base: str, num_prefill: int, num_decode: int, group: ProcessGroup, timeout: float) -> None:
+    """Wait until every worker is registered and every decode worker has connected to every
+    prefill worker (``/workers``), so that the first request pays no connection set-up."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    seen: list[dict] = []
+    while time.monotonic() < deadline:
+        dead = group.dead()
+        if dead:
+            raise RuntimeError(f"exited before the cluster was ready: {dead}")
+        try:
+            with urllib.request.urlopen(f"{base}/workers", timeout=2) as r:
+                seen = json.load(r)["workers"]
+        except (OSError, ValueError, KeyError):
+            seen = []
+        decode = [w for w in seen if w["role"] == "decode"]
+        prefill = [w for w in seen if w["role"] == "prefill"]
+        if (
+            len(decode) == num_decode
+            and len(prefill) == num_prefill
+            and all(w["load"].get("prefill_connected", 0) >= num_prefill for w in decode)
+        ):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"workers not connected after {timeout:.0f} s: want {num_prefill} prefill and {num_decode} "
+        f"decode workers, each decode worker connected to every prefill worker; saw {seen}"
+    )
+
+
 class _Stop(Exception):
     pass
 
@@ -117,7 +149,9 @@ def run_cluster(cfg: UpConfig) -> int:
             gateway += ["--cpus", format_cpu_list(front)]
         group.spawn("gateway", gateway, log_path=log("gateway"))
         base = f"http://{cfg.host}:{cfg.port}"
+        deadline = time.monotonic() + cfg.ready_timeout_s
         wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
+        wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic())
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
         while True:
             dead = group.dead()

@@ -137,6 +137,7 @@ class Heartbeat:
         self._source = source
         self._interval_s = registry.ttl_s / 3 if interval_s is None else interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker_id: str | None = None
 
@@ -160,6 +161,7 @@ class Heartbeat:
         if thread is None:
             return
         self._stop.set()
+        self._wake.set()
         thread.join()
         if deregister and self._worker_id is not None:
             self._registry.deregister(self._worker_id)
@@ -174,8 +176,17 @@ class Heartbeat:
     def _current(self) -> WorkerInfo:
         return self._source() if callable(self._source) else self._source
 
+    def beat_now(self) -> None:
+        """Publish the current record now rather than at the next interval (a change that others
+        wait on, such as a new connection)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while True:
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._registry.heartbeat(self._current())
             except Exception:  # noqa: BLE001 - a beat must not kill the thread; the next one retries

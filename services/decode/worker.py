@@ -67,6 +67,8 @@ class DecodeWorkerConfig:
     """Prefill every prompt here: no KV receiver, never a prefill worker."""
     prefill_timeout_s: float = 60.0
     """Bound on one remote prefill (RPC and transfer); past it the prompt is recomputed here."""
+    prefill_refresh_s: float = 0.5
+    """How often the prefill workers are read from the registry (new ones are connected at once)."""
 
 
 class DecodeServicer(baton_pb2_grpc.DecodeServicer):
@@ -207,6 +209,18 @@ class RemotePrefill:
         logprob = resp.first_logprob if params.logprobs is not None else None
         return SampledToken(resp.first_token_id, logprob)
 
+    async def connect(self, address: str) -> None:
+        """Have the prefill worker at ``address`` connect its KV transport to this worker's
+        receiver now (over the channel later prompts use), not at the first prompt."""
+        await self._stub(address).Connect(
+            baton_pb2.ConnectRequest(
+                destination=baton_pb2.TransferDescriptor(
+                    backend=self.backend, extra_json=self.descriptor_json
+                )
+            ),
+            timeout=min(self.timeout_s, 10.0),
+        )
+
     async def _record(self, rid: str, block_ids: list[int], state: str) -> None:
         """Publish the transfer's destination and state (a Redis blip only loses the record)."""
         if self.locations is None:
@@ -258,7 +272,11 @@ class DecodeWorker:
         self._publisher = None
         self._receiver = None
         self._remote: RemotePrefill | None = None
-        self._prefill_workers: tuple[float, list] = (float("-inf"), [])
+        self._prefill_workers: list[WorkerInfo] = []
+        """Prefill workers from the registry, refreshed every ``prefill_refresh_s``."""
+        self._connected: set[tuple[str, str]] = set()
+        """(id, address) of the prefill workers whose transport reaches this worker."""
+        self._watcher: asyncio.Task | None = None
         self._metrics_server = None
 
     async def start(self) -> None:
@@ -309,6 +327,9 @@ class DecodeWorker:
         )
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)
+        if self._remote is not None:
+            await self._refresh_prefill_workers()
+            self._watcher = asyncio.create_task(self._watch_prefill_workers())
         log.info("decode worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 
     def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
@@ -328,28 +349,52 @@ class DecodeWorker:
                 "num_running": st["num_requests_running"],
                 "num_waiting": st["num_requests_waiting"],
                 "free_blocks": st["num_free_blocks"],
+                "prefill_connected": len(self._connected),
             }
 
         self._heartbeat, self._registry = start_heartbeat(
             cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load
         )
 
-    async def _pick_prefill(self) -> str | None:
-        """The least queued prefill worker from the registry (the list is reused for 0.5 s)."""
-        fetched, workers = self._prefill_workers
-        if time.monotonic() - fetched > 0.5:
+    async def _watch_prefill_workers(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.prefill_refresh_s)
+            await self._refresh_prefill_workers()
+
+    async def _refresh_prefill_workers(self) -> None:
+        """Read the prefill workers from the registry and connect to the new ones (a Redis blip
+        keeps the last list; a worker that cannot be reached is tried again next time)."""
+        assert self._remote is not None
+        try:
+            workers = await asyncio.to_thread(self._registry.list, "prefill")
+        except Exception as e:  # noqa: BLE001 - Redis away: keep the workers last seen
+            log.warning("registry unreachable: %s", e)
+            return
+        self._prefill_workers = workers
+        live = {(w.id, w.grpc_address) for w in workers}
+        before = set(self._connected)
+        self._connected &= live
+        for key in sorted(live - self._connected):
             try:
-                workers = await asyncio.to_thread(self._registry.list, "prefill")
-            except Exception as e:  # noqa: BLE001 - Redis away: prefill here
-                log.warning("registry unreachable: %s", e)
-                workers = []
-            self._prefill_workers = (time.monotonic(), workers)
-        if not workers:
+                await self._remote.connect(key[1])
+            except grpc.aio.AioRpcError as e:
+                log.warning("prefill worker %s at %s not reachable yet: %s", key[0], key[1], e.details())
+                continue
+            self._connected.add(key)
+        if self._connected != before and self._heartbeat is not None:
+            self._heartbeat.beat_now()
+
+    async def _pick_prefill(self) -> str | None:
+        """The least queued prefill worker of the last registry read."""
+        if not self._prefill_workers:
             return None
-        best = min(workers, key=lambda w: (w.load.get("queued_prefill_tokens", 0.0), w.id))
+        best = min(self._prefill_workers, key=lambda w: (w.load.get("queued_prefill_tokens", 0.0), w.id))
         return best.grpc_address
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._server is not None:

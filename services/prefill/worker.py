@@ -182,6 +182,18 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             bytes_sent=job.bytes_sent,
         )
 
+    async def Connect(self, request, context):
+        """Connect the KV transport to a decode worker ahead of its first prompt."""
+        try:
+            descriptor = _descriptor(request.destination)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            await self.worker.sender_for(descriptor)
+        except Exception as e:  # noqa: BLE001 - unreachable or bogus destination
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
+        return baton_pb2.ConnectResponse()
+
     async def Abort(self, request, context):
         w = self.worker
         assert w.engine is not None

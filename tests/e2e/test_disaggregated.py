@@ -20,8 +20,7 @@ from baton.common.index.server import EmbeddedRedis, free_port
 from baton.common.llm import SamplingParams
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
-
-prefill_mod = pytest.importorskip("baton.services.prefill.worker")
+from baton.services.prefill import worker as prefill_mod
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE = EngineConfig(dtype="float32", kv_cache_gib=0.3, max_model_len=2048, max_num_batched_tokens=64)
@@ -72,6 +71,26 @@ def _generate(decode, ids, rid, prefill_address=""):
         return [t for c in baton_pb2_grpc.DecodeStub(channel).Generate(req, timeout=120) for t in c.token_ids]
 
 
+def test_decode_worker_connects_to_the_prefill_worker_before_any_prompt(pair):
+    """The first prompt pays no connection set-up: by the time the decode worker has started,
+    the prefill worker's KV sender reaches it, and its registry record says so."""
+    import redis
+
+    from baton.common.index.registry import WorkerRegistry
+
+    decode, prefill = pair
+    assert not prefill.jobs and prefill.num_sends_total == 0  # no prompt yet
+    assert len(prefill._senders) == 1
+    assert decode._connected == {(prefill.worker_id, f"127.0.0.1:{prefill.grpc_port}")}
+    registry = WorkerRegistry(
+        redis.Redis.from_url(decode.config.redis_url), decode.engine.engine.model_name, 6
+    )
+    deadline = time.monotonic() + 10
+    while (load := registry.list("decode")[0].load).get("prefill_connected") != 1:
+        assert time.monotonic() < deadline, f"the decode worker never published its connection: {load}"
+        time.sleep(0.05)
+
+
 def test_prompt_kv_crosses_over_and_decode_computes_none_of_it(pair, llm_fp32):
     decode, prefill = pair
     ids = list(range(2000, 2200))  # 200 tokens: 13 blocks, chunked on the prefill worker
@@ -83,6 +102,7 @@ def test_prompt_kv_crosses_over_and_decode_computes_none_of_it(pair, llm_fp32):
     block_bytes = decode.engine.engine.kv_cache[0].numel() * decode.engine.engine.kv_cache.element_size()
     assert _metric(decode, "baton:kv_transfer_bytes_total") - before_bytes == 13 * block_bytes
     assert decode.engine.engine.num_remote_prefills_total >= 1
+    assert len(prefill._senders) == 1  # the connection made at start, reused
     decode.engine.engine.pool.check_integrity()
     # The block-location record says where the transfer landed.
     import redis

@@ -69,12 +69,12 @@ def dest(request, worker):
 def reference_kv(engine, token_ids: list[int]) -> torch.Tensor:
     """The offline engine's KV for a whole prompt, one block per row, in a scratch cache."""
     n_blocks = -(-len(token_ids) // BS)
-    cache = allocate_kv_cache(engine.model, n_blocks, BS, engine.dtype, "cpu")
-    runner = ModelRunner(engine.model, cache, BS)
+    cache = allocate_kv_cache(engine.model, n_blocks + 1, BS, engine.dtype, "cpu")  # + a scratch block
+    runner = ModelRunner(engine.model, cache, BS, scratch_block=n_blocks)
     sched = SchedulerOutput((ScheduledRequest("x", tuple(token_ids), 0, tuple(range(n_blocks)), True),))
     inputs = runner.prepare(sched)
     engine.model(inputs.input_ids, inputs.positions, cache, inputs.meta)
-    return cache
+    return cache[:n_blocks]
 
 
 def _proto(d: TransferDescriptor) -> baton_pb2.TransferDescriptor:
@@ -236,3 +236,38 @@ def test_abort_cancels_the_prefill_and_frees_its_blocks(worker, dest):
         time.sleep(0.05)
     assert not engine.has_unfinished_requests() and not worker.jobs
     engine.pool.check_integrity()
+
+
+def _connect(worker, descriptor: baton_pb2.TransferDescriptor, timeout=30):
+    with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
+        return baton_pb2_grpc.PrefillStub(channel).Connect(
+            baton_pb2.ConnectRequest(destination=descriptor), timeout=timeout
+        )
+
+
+def test_connect_makes_the_sender_that_prompts_then_use(worker, dest, llm_fp32):
+    receiver, descriptor, cache = dest
+    key = json.dumps(descriptor.to_dict(), sort_keys=True)
+    with worker._senders_lock:
+        worker._senders.pop(key, None)  # as if this destination were new
+    _connect(worker, _proto(descriptor))
+    sender = worker._senders[key]
+    _connect(worker, _proto(descriptor))  # again: nothing new
+    resp, dst = _run(worker, dest, f"connected-{descriptor.backend}", _prompt(descriptor, 6))
+    assert worker._senders[key] is sender
+    _check_kv(cache, dst, reference_kv(llm_fp32.engine, _prompt(descriptor, 6)), len(PROMPT), 0)
+    assert resp.bytes_sent > 0
+
+
+def test_connect_refuses_bad_and_unreachable_destinations(worker, dest):
+    _, descriptor, _ = dest
+    with pytest.raises(grpc.RpcError) as e:
+        _connect(worker, baton_pb2.TransferDescriptor(backend="carrier-pigeon", host="127.0.0.1"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "backend" in e.value.details()
+    if descriptor.backend == "ucx":
+        bogus = TransferDescriptor("ucx", host="127.0.0.1", address="AAAA")
+    else:
+        bogus = TransferDescriptor("nccl", host="127.0.0.1", port=free_port())
+    with pytest.raises(grpc.RpcError) as e:
+        _connect(worker, _proto(bogus))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
