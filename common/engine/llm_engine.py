@@ -72,19 +72,21 @@ class LLMEngine:
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
         block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype)
-        num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes
+        # One block of the budget is the scratch block where a step's padding rows store their KV
+        # (ModelRunner.prepare); the pool never hands it out.
+        num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes - 1
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
-                f"kv_cache_gib={config.kv_cache_gib} holds {num_blocks * config.block_size} tokens, "
+                f"kv_cache_gib={config.kv_cache_gib} holds {max(num_blocks, 0) * config.block_size} tokens, "
                 f"less than max_model_len={self.max_model_len}"
             )
-        self.kv_cache = allocate_kv_cache(model, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_cache = allocate_kv_cache(model, num_blocks + 1, config.block_size, self.dtype, config.device)
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, BlockHasher(config.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len), self.kv
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, scratch_block=num_blocks)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, str | None] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -225,7 +227,8 @@ class LLMEngine:
     )
 
     def warm_up(self, prompt_len: int = 96, decode_steps: int = 4) -> None:
-        """Serve two prompts (a prefill step, a mixed step, decode steps) before the first real
+        """Build the GEMM primitives of every padded step shape (``ModelRunner.warm_up``), then
+        serve two prompts (a prefill step, a mixed step, decode steps) before the first real
         request, so that the kernels are loaded and the allocator and oneDNN's primitives are warm:
         a worker that says it is ready serves its first request at full speed. Leaves no trace: no
         cached prefix, no cache events, counters as they were. Only on a fresh, idle engine (it
@@ -236,6 +239,7 @@ class LLMEngine:
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         n = max(1, min(prompt_len, self.max_model_len - decode_steps - 1))
         vocab = self.model.config.vocab_size
+        self.runner.warm_up(self.config.max_num_batched_tokens, min(64, self.config.max_num_seqs))
         params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
         for i in range(2):
             ids = [(7 + 31 * j + i) % vocab for j in range(n - 8 * i)]

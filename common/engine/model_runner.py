@@ -13,8 +13,9 @@ import torch
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
+from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
-from baton.common.model.llama import LlamaForCausalLM
+from baton.common.model.llama import Linear, LlamaForCausalLM
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -76,10 +77,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, scratch_block: int):
+        """``scratch_block``: a cache block that no request owns, where padding rows store their K/V."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.scratch_block = scratch_block
         self.device = kv_cache.device
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -117,6 +120,11 @@ class ModelRunner:
             if r.sample:
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(r.request_id)
+        padding = padded_num_tokens(len(ids)) - len(ids)
+        ids.extend([0] * padding)
+        pos.extend([0] * padding)
+        blocks.extend([self.scratch_block] * padding)
+        offsets.extend([0] * padding)
         nd = len(decode_lens)
         table_np = _pad_tables(decode_tables)
         dev = self.device
@@ -136,6 +144,7 @@ class ModelRunner:
                 [p.context_len for p in prefills], dtype=torch.int32, device=dev
             ),
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            num_padding_tokens=padding,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -144,6 +153,27 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_ids=tuple(sample_ids),
         )
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int, max_sampled: int) -> None:
+        """Build the oneDNN primitives of every projection at every row count a step of up to
+        ``max_tokens`` tokens is padded to, and of the LM head at 1 to ``max_sampled`` rows, so
+        that none is built while serving (see ``padded_num_tokens``). Projections on other paths
+        (fp32 runs MKL's GEMM, which builds nothing per shape) are left alone."""
+        shapes = {
+            (m.in_features, m.out_features): m
+            for m in self.model.modules()
+            if isinstance(m, Linear) and m.packed is not None
+        }
+        dtype = self.model.embed_tokens.weight.dtype
+        for n in token_buckets(max_tokens) if shapes else ():
+            for (k, _), linear in shapes.items():
+                linear(torch.zeros(n, k, dtype=dtype, device=self.device))
+        if self.model.lm_head_packed is None:
+            return
+        hidden = self.model.config.hidden_size
+        for n in range(1, max_sampled + 1):
+            self.model.greedy_tokens(torch.zeros(n, hidden, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
     def execute(

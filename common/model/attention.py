@@ -85,6 +85,9 @@ class AttentionMetadata:
     """[num_prefills] int32."""
     prefill_query_start_loc: torch.Tensor
     """[num_prefills + 1] int32: chunk i owns rows ``[loc[i], loc[i + 1])`` of the step."""
+    num_padding_tokens: int = 0
+    """Rows after every request's, that only round the step up to a precompiled shape: their K/V
+    go to a scratch block and their attention output is zero."""
 
 
 def paged_attention(
@@ -98,6 +101,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [N, H, D] for the step's tokens, whose K/V are already in the cache."""
     out = torch.empty_like(q)
+    if meta.num_padding_tokens:
+        out[q.shape[0] - meta.num_padding_tokens :].zero_()
     nd = meta.num_decode_tokens
     if nd:
         kernels.paged_decode_attention(

@@ -35,9 +35,9 @@ def prompt_logits(engine, token_ids: list[int]) -> torch.Tensor:
     """Our model's fp32 logits at every position of one prompt, [T, V], in a scratch cache."""
     bs = engine.config.block_size
     n_blocks = -(-len(token_ids) // bs)
-    cache = allocate_kv_cache(engine.model, n_blocks, bs, engine.dtype, "cpu")
-    runner = ModelRunner(engine.model, cache, bs)
+    cache = allocate_kv_cache(engine.model, n_blocks + 1, bs, engine.dtype, "cpu")  # + a scratch block
+    runner = ModelRunner(engine.model, cache, bs, scratch_block=n_blocks)
     sched = SchedulerOutput((ScheduledRequest("x", tuple(token_ids), 0, tuple(range(n_blocks)), True),))
     inputs = runner.prepare(sched)
     hidden = engine.model(inputs.input_ids, inputs.positions, cache, inputs.meta)
-    return engine.model.compute_logits(hidden)
+    return engine.model.compute_logits(hidden[: len(token_ids)])

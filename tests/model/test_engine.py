@@ -119,9 +119,10 @@ def test_preemption_recomputes_and_finishes(llm_fp32, ids):
 
     src = llm_fp32.engine
     block_bytes = src.kv_cache[0].numel() * src.kv_cache.element_size()
-    tiny = replace(src.config, kv_cache_gib=22 * block_bytes / 2**30, max_model_len=300)
+    tiny = replace(src.config, kv_cache_gib=23 * block_bytes / 2**30, max_model_len=300)
     engine = LLMEngine(tiny, src.model, src.tokenizer, src.eos_token_ids)
-    assert engine.pool.num_blocks == 22
+    assert engine.pool.num_blocks == 22  # one block of the 23 is the padding rows' scratch block
+    assert engine.kv_cache.shape[0] == 23
     prompts = [ids[i : i + 100] for i in (0, 10, 20, 30)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
@@ -254,3 +255,26 @@ def test_warm_up_leaves_no_trace(llm_fp32, ids):
     assert (engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits) == (queries, hits)
     engine.pool.check_integrity()
     assert _tokens(llm_fp32, [ids]) == before
+
+
+def test_padding_rows_touch_only_the_scratch_block(llm_fp32, ids):
+    """A 70-token step runs as 80 rows: the 10 padding rows store their K/V in the scratch block
+    (the one block the pool never hands out), no request's block changes, and the tokens are
+    those of an unpadded run (a 64-token prompt needs no padding)."""
+    import torch
+
+    from baton.common.engine.step_shapes import padded_num_tokens
+
+    assert padded_num_tokens(70) == 80 and padded_num_tokens(64) == 64
+    engine = llm_fp32.engine
+    engine.pool.reset_prefix_cache()
+    scratch = engine.runner.scratch_block
+    assert scratch == engine.pool.num_blocks == engine.kv_cache.shape[0] - 1
+    engine.kv_cache.zero_()
+    out = llm_fp32.generate([ids[:70]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+    written = [b for b in range(engine.kv_cache.shape[0]) if engine.kv_cache[b].abs().sum() > 0]
+    assert scratch in written
+    assert len(written) == 1 + -(-70 // engine.config.block_size)  # the prompt's 5 blocks, and scratch
+    # Each padding row is position 0 of token 0 stored at offset 0: nothing past it in the block.
+    assert torch.count_nonzero(engine.kv_cache[scratch][:, :, :, 1:]) == 0
+    assert out.outputs[0].token_ids == _tokens(llm_fp32, [ids[:70]], GREEDY)[0][:1]

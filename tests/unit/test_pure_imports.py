@@ -19,6 +19,7 @@ PURE_MODULES = [
     "baton.common.engine.request",
     "baton.common.engine.sampling_params",
     "baton.common.engine.scheduler",
+    "baton.common.engine.step_shapes",
 ]
 
 UNIT_DIR = Path(__file__).resolve().parent
