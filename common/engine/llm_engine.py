@@ -89,6 +89,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, scratch_block=num_blocks)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, str | None] = {}
+        self._texts: dict[str, _IncrementalText] = {}
+        # Output text grows one token at a time (tokenizers' DecodeStream) instead of the whole
+        # output being decoded again at every step; a finished output is decoded once, whole, so
+        # its text is exactly ``tokenizer.decode``'s. Tokenizers that clean up spaces after
+        # decoding are decoded whole every time.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._backend = None
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._counter = itertools.count()
         # Called on the engine thread after each forward step, before any request of the step is
@@ -305,9 +313,14 @@ class LLMEngine:
 
     def _detokenize(self, req: Request) -> str:
         start = time.perf_counter()
-        text = self.tokenizer.decode(
-            req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-        )
+        skip = req.sampling_params.skip_special_tokens
+        if req.is_finished or self._backend is None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
+        else:
+            inc = self._texts.get(req.request_id)
+            if inc is None:
+                inc = self._texts[req.request_id] = _IncrementalText(skip)
+            text = inc.extend(self._backend, req.output_token_ids)
         self.detokenize_seconds_total += time.perf_counter() - start
         return text
 
@@ -336,6 +349,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._texts.pop(request_id, None)
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -345,6 +359,25 @@ class LLMEngine:
             "kv_cache_usage_perc": self.pool.usage,
             "num_free_blocks": self.pool.num_free_blocks,
         }
+
+
+class _IncrementalText:
+    """A request's output text so far, extended by the tokens it has not seen yet."""
+
+    def __init__(self, skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._fed = 0
+        self._text = ""
+
+    def extend(self, backend, token_ids: Sequence[int]) -> str:
+        for t in token_ids[self._fed :]:
+            chunk = self._stream.step(backend, t)  # None while a UTF-8 sequence is incomplete
+            if chunk:
+                self._text += chunk
+        self._fed = len(token_ids)
+        return self._text
 
 
 class _DefaultingMap(dict):

@@ -278,3 +278,40 @@ def test_padding_rows_touch_only_the_scratch_block(llm_fp32, ids):
     # Each padding row is position 0 of token 0 stored at offset 0: nothing past it in the block.
     assert torch.count_nonzero(engine.kv_cache[scratch][:, :, :, 1:]) == 0
     assert out.outputs[0].token_ids == _tokens(llm_fp32, [ids[:70]], GREEDY)[0][:1]
+
+
+def test_incremental_text_is_always_a_prefix_of_the_whole_decode(llm_fp32):
+    """Output text grows token by token (never re-decoding the whole output); at every step it is
+    a prefix of what decoding the whole output gives, also when a character's UTF-8 bytes are
+    split over several tokens, and the finished output is exactly the whole decode."""
+    from baton.common.engine.llm_engine import _IncrementalText
+
+    tok = llm_fp32.get_tokenizer()
+    text = "Grüße aus Köln 🚀🎉 — 東京タワー, naïve café! <|im_end|> done"
+    ids = tok.encode(text, add_special_tokens=False)
+    backend = tok.backend_tokenizer
+    for skip in (True, False):
+        inc = _IncrementalText(skip)
+        whole = tok.decode(ids, skip_special_tokens=skip)
+        seen = ""
+        for n in range(1, len(ids) + 1):
+            got = inc.extend(backend, ids[:n])
+            assert whole.startswith(got) and got.startswith(seen), (n, got)
+            assert "\ufffd" not in got  # a split character waits until it is complete
+            seen = got
+        assert seen == whole
+
+
+def test_streamed_outputs_end_with_the_whole_decode(llm_fp32, ids):
+    engine = llm_fp32.engine
+    engine.add_request("inc", ids[:40], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    texts = []
+    while engine.has_unfinished_requests():
+        for out in engine.step(include_unfinished=True):
+            texts.append(out.outputs[0].text)
+            final = out
+    assert final.finished and final.outputs[0].text == engine.tokenizer.decode(
+        final.outputs[0].token_ids, skip_special_tokens=True
+    )
+    assert all(final.outputs[0].text.startswith(t) for t in texts)
+    assert "inc" not in engine._texts  # forgotten with the request
