@@ -39,7 +39,8 @@ class EngineConfig:
     model: str | None = None
     """A .gguf file or a Llama safetensors directory; None is the default SmolLM2 GGUF."""
     dtype: str = "bfloat16"
-    """bfloat16 or float32, for weights, activations and the KV cache."""
+    """bfloat16 or float32, for weights, activations and the KV cache; ``auto`` (resolved by
+    ``from_config``): whichever runs the model's GEMMs faster on this CPU (``gemm_probe``)."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block."""
@@ -124,6 +125,12 @@ class LLMEngine:
         from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
 
         source = ModelSource.resolve(config.model)
+        if config.dtype == "auto":
+            from dataclasses import replace
+
+            from baton.common.model.gemm_probe import cached_probe
+
+            config = replace(config, dtype=cached_probe(source.path, torch.get_num_threads()).dtype)
         model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
         tokenizer = load_tokenizer(source)
         return cls(config, model, tokenizer, eos_token_ids(source, tokenizer), model_name=source.name)

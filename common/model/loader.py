@@ -143,6 +143,16 @@ def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Te
     return state
 
 
+def read_config(source: ModelSource) -> LlamaConfig:
+    """The model's shape without loading its weights."""
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+
+        return gguf_config(GGUFReader(source.path))
+    with open(os.path.join(source.path, "config.json")) as f:
+        return LlamaConfig.from_hf(json.load(f))
+
+
 def load_model(
     source: ModelSource, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", progress: bool = False
 ) -> LlamaForCausalLM:

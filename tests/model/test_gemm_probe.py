@@ -1,0 +1,47 @@
+"""``gemm_probe``: the GEMM timings that ``--dtype auto`` and ``baton up``'s layout rest on."""
+
+from __future__ import annotations
+
+import json
+
+from baton.common.model import gemm_probe
+from baton.common.model.config import LlamaConfig
+
+TINY = LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+
+
+def test_probe_picks_the_dtype_whose_request_costs_least():
+    p = gemm_probe.probe(TINY, threads=1, decode_threads=[1])
+    assert set(p.request_ms) == {"bfloat16", "float32"}
+    assert p.dtype == min(p.request_ms, key=p.request_ms.get)
+    for d in p.request_ms:  # a request: one prefill and DECODE_STEPS decode steps
+        want = p.prefill_ms[d] + gemm_probe.DECODE_STEPS * p.decode_step_ms[d]
+        assert abs(p.request_ms[d] - want) < 1e-6 and p.prefill_ms[d] > 0 and p.decode_step_ms[d] > 0
+    assert p.decode_step_ms_by_threads == {"1": p.decode_step_ms[p.dtype]}  # the same case, timed once
+
+
+def test_projection_shapes_are_the_fused_layers():
+    assert gemm_probe.projection_shapes(TINY) == [(64 + 2 * 32, 64), (64, 64), (256, 64), (64, 128)]
+
+
+def test_a_probe_is_remembered_per_model_file_and_thread_counts(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY.to_hf()))
+    (model / "model.safetensors").write_bytes(b"")  # only the config is read
+    cache = str(tmp_path / "cache")
+    assert gemm_probe.cached(str(model), 1, [1], cache) is None
+    first = gemm_probe.cached_probe(str(model), 1, [1], cache)
+    assert gemm_probe.cached(str(model), 1, [1], cache) == first
+    assert gemm_probe.cached_probe(str(model), 1, [1], cache) == first  # read, not measured again
+    assert gemm_probe.cached(str(model), 2, [1], cache) is None  # other threads: another figure
+    (model / "config.json").write_text(json.dumps({**TINY.to_hf(), "num_hidden_layers": 3}))
+    assert gemm_probe.cached(str(model), 1, [1], cache) is None  # the model file changed
