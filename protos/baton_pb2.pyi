@@ -85,20 +85,22 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., published_unix_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "num_skip_tokens", "dst_block_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "num_skip_tokens", "dst_block_ids", "kv_layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     NUM_SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     destination: TransferDescriptor
     num_skip_tokens: int
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., num_skip_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., num_skip_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "num_computed_tokens", "num_cached_tokens", "bytes_sent")
@@ -117,10 +119,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("destination",)
+    __slots__ = ("destination", "kv_layout")
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     destination: TransferDescriptor
-    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ()

@@ -5,6 +5,7 @@ baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
 baton bench latency --input-len 32 --output-len 512
 baton bench transfer --tokens 1024,4096,16384 --output-json w5.json
 baton bench breakdown --runs 3 -- --colocated    # where a served token's time goes
+baton bench goodput --base-url http://127.0.0.1:8000 --rates 0.25,0.5,1   # W2 goodput: a rate search
 baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
 """
 
@@ -15,9 +16,15 @@ import json
 import sys
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
+    """Engine flags; ``dtype`` is the default of ``--dtype`` (``auto``: the faster on this CPU)."""
     p.add_argument("--model", default=None, help="a .gguf file or a Llama safetensors directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--dtype",
+        default=dtype,
+        choices=["auto", "bfloat16", "float32"],
+        help=f"compute dtype; auto: whichever runs the model's GEMMs faster on this CPU (default {dtype})",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -34,7 +41,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default="")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     p.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 or 0-1 (default: all)")
-    _engine_args(p)
+    _engine_args(p, dtype="auto")
 
 
 def _pin(a: argparse.Namespace, torch_threads: bool = True) -> int | None:
@@ -201,6 +208,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         UpConfig(
             prefill=a.prefill,
             decode=a.decode,
+            dtype=a.dtype,
             kv_transport=a.kv_transport,
             host=a.host,
             port=a.port,
@@ -216,8 +224,9 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def _engine_flags(a: argparse.Namespace) -> list[str]:
-    """The engine options of ``a`` as command-line flags, to pass on to a worker process."""
-    flags = ["--dtype", a.dtype, "--kv-cache-gib", str(a.kv_cache_gib)]
+    """The engine options of ``a`` as command-line flags, to pass on to a worker process (but the
+    dtype, which ``baton up`` resolves first)."""
+    flags = ["--kv-cache-gib", str(a.kv_cache_gib)]
     flags += [
         "--max-num-batched-tokens",
         str(a.max_num_batched_tokens),
@@ -253,7 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     up = sub.add_parser("up", help="a local cluster: Redis, decode workers and the gateway")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill)")
+    up.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill workers (0: decode workers prefill; default: decided from this machine's cores and "
+        "speed, printed at start)",
+    )
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     up.add_argument("--host", default="127.0.0.1")
@@ -268,10 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--cpus",
         default=None,
-        help="pin workers to cores: 'auto' (share them out) or one cpu list per worker, prefill workers "
-        "first, e.g. '0|1'",
+        help="pin workers to cores: 'auto' (share them out), 'none', or one cpu list per worker, prefill "
+        "workers first, e.g. '0|1' (default: as the layout decides)",
     )
-    _engine_args(up)
+    _engine_args(up, dtype="auto")
     up.set_defaults(func=cmd_up)
 
     dec = sub.add_parser("decode", help="one decode worker")
@@ -312,12 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
     from baton.bench import breakdown as bench_breakdown
+    from baton.bench import goodput as bench_goodput
     from baton.bench import serve as bench_serve
     from baton.bench import transfer as bench_transfer
 
     bench_serve.register(bench)
     bench_transfer.register(bench)
     bench_breakdown.register(bench)
+    bench_goodput.register(bench)
     return parser
 
 

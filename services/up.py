@@ -15,10 +15,13 @@ from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
 
 @dataclass(frozen=True)
 class UpConfig:
-    prefill: int = 1
-    """Prefill workers to start (0: decode workers prefill every prompt)."""
+    prefill: int | None = None
+    """Prefill workers to start (0: decode workers prefill every prompt); None: decided from the
+    machine (``services/layout.py``)."""
     decode: int = 1
     """Decode workers to start."""
+    dtype: str = "auto"
+    """The workers' compute dtype; ``auto``: the faster on this CPU (``gemm_probe``)."""
     kv_transport: str = "ucx"
     """How prefill workers push KV to decode workers: ``ucx`` or ``nccl``."""
     host: str = "127.0.0.1"
@@ -34,7 +37,8 @@ class UpConfig:
     colocated: bool = False
     """One kind of worker that prefills and decodes (no prefill workers, no KV transfer)."""
     cpus: str | None = None
-    """Pin workers to cores: ``auto`` or ``|``-separated cpu lists (prefill workers first)."""
+    """Pin workers to cores: ``auto``, ``none`` or ``|``-separated cpu lists (prefill workers
+    first); None: as the layout decides."""
 
 
 def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
@@ -89,21 +93,65 @@ def _raise_stop(signum, frame):
     raise _Stop(signum)
 
 
+def machine_probe(model: str | None, num_cores: int) -> dict:
+    """The GEMM probe that the layout needs: remembered from an earlier start, else measured in a
+    child process (so that this one never loads torch) on the cores ``baton up`` may use."""
+    import json
+    import subprocess
+
+    from baton.common.model import gemm_probe
+    from baton.common.model.source import ModelSource
+    from baton.services.layout import probe_threads
+
+    path = ModelSource.resolve(model).path
+    threads = probe_threads(num_cores)
+    found = gemm_probe.cached(path, num_cores, threads)
+    if found is not None:
+        from dataclasses import asdict
+
+        return asdict(found)
+    print(f"Measuring this CPU's GEMMs for the layout (once per machine) on {num_cores} cores...", flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "baton.common.model.gemm_probe",
+        "--model",
+        path,
+        "--threads",
+        str(num_cores),
+    ]
+    cmd += ["--decode-threads", ",".join(map(str, threads)), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the GEMM probe failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def plan_cluster(cfg: UpConfig, cores: list[int]):
+    """The layout for ``cfg`` on ``cores``, probing the machine only when the flags leave a choice."""
+    from baton.services.layout import LayoutRequest, plan
+
+    req = LayoutRequest(cfg.prefill, cfg.decode, cfg.colocated, cfg.cpus, cfg.dtype)
+    open_choice = cfg.dtype == "auto" or (not cfg.colocated and cfg.prefill is None and len(cores) > 1)
+    return plan(cores, req, machine_probe(cfg.model, len(cores)) if open_choice else None)
+
+
 def run_cluster(cfg: UpConfig) -> int:
     from baton.common.index.server import EmbeddedRedis
     from baton.services.procs import format_cpu_list, split_cpus
 
-    if cfg.decode < 1 or cfg.prefill < 0:
+    if cfg.decode < 1 or (cfg.prefill is not None and cfg.prefill < 0):
         print("error: --decode must be at least 1 and --prefill at least 0", file=sys.stderr)
         return 2
-    num_prefill = 0 if cfg.colocated else cfg.prefill
-    pins: list[list[int]] | None = None
-    if cfg.cpus:
-        try:
-            pins = split_cpus(cfg.cpus, num_prefill + cfg.decode, sorted(os.sched_getaffinity(0)))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        layout = plan_cluster(cfg, cores)
+        num_prefill = layout.prefill
+        pins = split_cpus(layout.cpus, num_prefill + cfg.decode, cores) if layout.cpus else None
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"Layout: {layout.describe()}", flush=True)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     redis = None
@@ -126,8 +174,8 @@ def run_cluster(cfg: UpConfig) -> int:
         for role, count in (("prefill", num_prefill), ("decode", cfg.decode)):
             for i in range(count):
                 args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
-                args += ["--kv-transport", cfg.kv_transport, *cfg.engine_args]
-                if cfg.colocated and role == "decode":
+                args += ["--kv-transport", cfg.kv_transport, "--dtype", layout.dtype, *cfg.engine_args]
+                if layout.colocated and role == "decode":
                     args.append("--colocated")
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]

@@ -21,6 +21,23 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
+def worker_settings(engine: LLMEngine, **extra) -> dict:
+    """What a worker publishes about how it runs (``WorkerInfo.settings``, shown by ``/workers``):
+    the engine's dtype (``auto`` resolved), the cores it may use and torch's threads."""
+    import os
+
+    import torch
+
+    from baton.services.procs import format_cpu_list
+
+    return {
+        "dtype": engine.config.dtype,
+        "cpus": format_cpu_list(sorted(os.sched_getaffinity(0))),
+        "threads": torch.get_num_threads(),
+        **extra,
+    }
+
+
 def model_name(config: EngineConfig) -> str:
     """The model's name (the registry's key space) without loading it."""
     from baton.common.model.source import ModelSource

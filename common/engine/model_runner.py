@@ -40,6 +40,12 @@ def allocate_kv_cache(
     return cache.zero_()
 
 
+def kv_cache_layout(cache: torch.Tensor) -> str:
+    """A cache's dtype and block shape, e.g. ``bfloat16 30x2x3x16x64``: two workers can move
+    blocks between their caches only if theirs are equal."""
+    return f"{str(cache.dtype).removeprefix('torch.')} {'x'.join(map(str, cache.shape[1:]))}"
+
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 

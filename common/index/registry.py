@@ -35,6 +35,8 @@ class WorkerInfo:
     """URL of the worker's Prometheus ``/metrics``."""
     load: Mapping[str, float] = field(default_factory=dict)
     """Load figures for routing, e.g. ``queued_prefill_tokens``, ``free_blocks``, ``num_running``."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """How the worker runs, for operators: dtype, cores, threads (JSON values)."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -54,6 +56,7 @@ class WorkerInfo:
             "kv_address": self.kv_address,
             "metrics_url": self.metrics_url,
             "load": {name: float(value) for name, value in self.load.items()},
+            "settings": dict(self.settings),
         }
 
     def to_json(self) -> str:
@@ -68,6 +71,7 @@ class WorkerInfo:
             kv_address=data["kv_address"],
             metrics_url=data["metrics_url"],
             load={name: float(value) for name, value in data.get("load", {}).items()},
+            settings=dict(data.get("settings", {})),
         )
 
     @classmethod

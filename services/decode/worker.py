@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SampledToken
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
@@ -39,6 +40,7 @@ from baton.services.worker_base import (
     start_grpc,
     start_heartbeat,
     start_publisher,
+    worker_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,7 @@ class RemotePrefill:
         locations=None,
         worker_id="",
         bytes_per_token: int = 0,
+        kv_layout: str = "",
     ):
         """``locations`` (a ``BlockLocations``) records where each transfer lands and its state."""
         self.receiver = receiver
@@ -159,6 +162,8 @@ class RemotePrefill:
         self.block_size = config.engine.block_size
         self.timeout_s = config.prefill_timeout_s
         self.bytes_per_token = bytes_per_token
+        self.kv_layout = kv_layout
+        """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
         self.results: dict[str, baton_pb2.PrefillResponse] = {}
         """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -191,6 +196,7 @@ class RemotePrefill:
                     ),
                     num_skip_tokens=num_cached,
                     dst_block_ids=dst,
+                    kv_layout=self.kv_layout,
                 ),
                 timeout=self.timeout_s,
             )
@@ -216,7 +222,8 @@ class RemotePrefill:
             baton_pb2.ConnectRequest(
                 destination=baton_pb2.TransferDescriptor(
                     backend=self.backend, extra_json=self.descriptor_json
-                )
+                ),
+                kv_layout=self.kv_layout,
             ),
             timeout=min(self.timeout_s, 10.0),
         )
@@ -313,6 +320,7 @@ class DecodeWorker:
                 locations=locations,
                 worker_id=self.worker_id,
                 bytes_per_token=llm_engine.kv_cache[0].nbytes // cfg.engine.block_size,
+                kv_layout=kv_cache_layout(llm_engine.kv_cache),
             )
         self.metrics_port = self.metrics_port or free_port(cfg.host)
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
@@ -341,6 +349,7 @@ class DecodeWorker:
             grpc_address=f"{cfg.host}:{self.grpc_port}",
             kv_address=self.kv_address,
             metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+            settings=worker_settings(llm_engine, colocated=cfg.colocated),
         )
 
         def load() -> dict[str, float]:
@@ -378,7 +387,12 @@ class DecodeWorker:
             try:
                 await self._remote.connect(key[1])
             except grpc.aio.AioRpcError as e:
-                log.warning("prefill worker %s at %s not reachable yet: %s", key[0], key[1], e.details())
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.error(
+                        "prefill worker %s at %s cannot serve this worker: %s", key[0], key[1], e.details()
+                    )
+                else:
+                    log.warning("prefill worker %s at %s not reachable yet: %s", key[0], key[1], e.details())
                 continue
             self._connected.add(key)
         if self._connected != before and self._heartbeat is not None:

@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily
 from baton.common.api.convert import params_from_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
@@ -42,6 +43,7 @@ from baton.services.worker_base import (
     start_grpc,
     start_heartbeat,
     start_publisher,
+    worker_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,16 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
 
+    async def _check_layout(self, requested: str, context) -> None:
+        """Refuse a destination whose cache blocks are not laid out like this worker's."""
+        own = self.worker.kv_layout
+        if requested and requested != own:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch: the decode worker's cache is {requested}, this prefill worker's is "
+                f"{own} (start both with the same --dtype, --block-size and model)",
+            )
+
     async def Prefill(self, request, context):
         w = self.worker
         assert w.engine is not None
@@ -139,6 +151,7 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
                 raise ValueError(f"request_id {rid!r} is already in use")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._check_layout(request.kv_layout, context)
 
         try:
             key, sender = await w.sender_for(descriptor)
@@ -188,6 +201,7 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             descriptor = _descriptor(request.destination)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._check_layout(request.kv_layout, context)
         try:
             await self.worker.sender_for(descriptor)
         except Exception as e:  # noqa: BLE001 - unreachable or bogus destination
@@ -225,6 +239,8 @@ class PrefillWorker:
         self.grpc_port = config.grpc_port
         self.metrics_port = config.metrics_port
         self.engine: AsyncEngine | None = None
+        self.kv_layout = ""
+        """``model_runner.kv_cache_layout`` of this worker's cache, once started."""
         self.jobs: dict[str, _Job] = {}
         self.bytes_sent_total = 0
         self.transfer_failures_total = 0
@@ -255,6 +271,7 @@ class PrefillWorker:
 
         self.engine = AsyncEngine(build, on_cache_events=on_events)
         llm_engine = await asyncio.to_thread(self.engine.start)
+        self.kv_layout = kv_cache_layout(llm_engine.kv_cache)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))
@@ -281,6 +298,7 @@ class PrefillWorker:
                 grpc_address=f"{cfg.host}:{self.grpc_port}",
                 kv_address="",
                 metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+                settings=worker_settings(llm_engine),
             )
 
             def load() -> dict[str, float]:

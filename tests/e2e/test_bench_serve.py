@@ -1,5 +1,5 @@
 """``baton bench serve`` against a real ``baton up`` (1 prefill + 1 decode worker, pinned with
-``--cpus auto``): the three serving workloads, the JSON, the table and the plot."""
+``--prefill 1 --cpus auto``): the three serving workloads, the JSON, the table and the plot."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.e2e.up_process import allowed_cpus, start_up, stop_up, worker_pids
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("bench-serve-logs")
-    port, proc = start_up(["--kv-cache-gib", "1", "--cpus", "auto"], logs)
+    port, proc = start_up(["--prefill", "1", "--kv-cache-gib", "1", "--cpus", "auto"], logs)
     yield f"http://127.0.0.1:{port}", proc
     stop_up(proc)
 

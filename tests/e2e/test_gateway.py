@@ -207,7 +207,8 @@ def test_service_endpoints(client, base_url, worker):
     workers = httpx.get(f"{base_url}/workers", timeout=10).json()["workers"]
     assert [(w["id"], w["role"]) for w in workers] == [(worker.worker_id, "decode")]
     assert workers[0]["grpc_address"] == f"127.0.0.1:{worker.grpc_port}"
-    assert set(workers[0]) == {"id", "role", "grpc_address", "kv_address", "metrics_url", "load"}
+    assert set(workers[0]) == {"id", "role", "grpc_address", "kv_address", "metrics_url", "load", "settings"}
+    assert workers[0]["settings"]["dtype"] == worker.engine.engine.config.dtype
     metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
     assert "baton:time_to_first_token_seconds_bucket" in metrics
     assert 'baton:http_requests_total{endpoint="/v1/completions",status="200"}' in metrics

@@ -241,7 +241,7 @@ def test_abort_cancels_the_prefill_and_frees_its_blocks(worker, dest):
 def _connect(worker, descriptor: baton_pb2.TransferDescriptor, timeout=30):
     with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
         return baton_pb2_grpc.PrefillStub(channel).Connect(
-            baton_pb2.ConnectRequest(destination=descriptor), timeout=timeout
+            baton_pb2.ConnectRequest(destination=descriptor, kv_layout=worker.kv_layout), timeout=timeout
         )
 
 
@@ -271,3 +271,35 @@ def test_connect_refuses_bad_and_unreachable_destinations(worker, dest):
     with pytest.raises(grpc.RpcError) as e:
         _connect(worker, _proto(bogus))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+
+
+def test_a_destination_laid_out_otherwise_is_refused(worker, dest, llm_fp32):
+    """A decode worker whose cache differs (here: bf16 against this worker's fp32) is refused at
+    the hand-shake and at every prompt, with both layouts named; the worker keeps serving."""
+    _, descriptor, _ = dest
+    own = worker.kv_layout
+    assert own.startswith("float32 ") and own.endswith("x16x64")
+    other = own.replace("float32", "bfloat16")
+    with pytest.raises(grpc.RpcError) as e:
+        with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
+            baton_pb2_grpc.PrefillStub(channel).Connect(
+                baton_pb2.ConnectRequest(destination=_proto(descriptor), kv_layout=other), timeout=30
+            )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert other in e.value.details() and own in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
+            baton_pb2_grpc.PrefillStub(channel).Prefill(
+                baton_pb2.PrefillRequest(
+                    request_id="other-layout",
+                    prompt_token_ids=PROMPT,
+                    params=params_to_proto(GREEDY),
+                    destination=_proto(descriptor),
+                    dst_block_ids=list(range(13)),
+                    kv_layout=other,
+                ),
+                timeout=30,
+            )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not worker.jobs
+    _connect(worker, _proto(descriptor))  # its own layout, or none said: served

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from baton.common.llm import SamplingParams
+from baton.services.procs import parse_cpu_list
 from tests.e2e.up_process import start_up, stop_up
 
 
@@ -55,6 +56,28 @@ def test_chat_and_completion_through_the_cluster(cluster, llm_fp32):
         ["The three laws of robotics are"], SamplingParams(temperature=0, max_tokens=12)
     )
     assert text == plain.choices[0].text == offline[0].outputs[0].text
+
+
+def test_the_layout_it_chose_is_printed_and_is_what_runs(cluster):
+    """With no layout flags ``baton up`` decides from the machine; the decision is printed, and
+    every worker's ``/workers`` settings say what it runs: the dtype asked for, and torch threads
+    as many as its cores."""
+    import httpx
+
+    port, proc = cluster
+    layout = next(line for line in proc.startup_lines if line.startswith("Layout: "))
+    assert "core" in layout and "W2-like request" not in layout  # --dtype given: no dtype was chosen
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=10).json()["workers"]
+    roles = sorted(w["role"] for w in workers)
+    if "colocated" in layout:
+        assert roles == ["decode"] and workers[0]["settings"]["colocated"] is True
+    else:
+        assert roles == ["decode", "prefill"] and "prefill worker" in layout
+    for w in workers:
+        s = w["settings"]
+        assert s["dtype"] == "float32"
+        assert s["threads"] == len(parse_cpu_list(s["cpus"])), s
+        assert set(parse_cpu_list(s["cpus"])) <= os.sched_getaffinity(0)
 
 
 def test_sigterm_stops_everything(cluster):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -49,3 +52,24 @@ def test_bench_serve_against_it(cluster):
                                   request_rate=10, progress=False, timeout_s=120))
     )  # fmt: skip
     assert (s["completed"], s["failed"]) == (4, 0)
+
+
+def _goodput(base: str, out, slos: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "goodput", "--base-url", base, "--rates", "20,5",
+           "--num-prompts", "3", "--input-len", "32", "--output-len", "4", "--goodput", *slos,
+           "--output-json", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "goodput:" in run.stdout
+    return json.loads(out.read_text())
+
+
+def test_goodput_search_from_the_command_line(cluster, tmp_path):
+    base, _ = cluster
+    g = _goodput(base, tmp_path / "lax.json", ["ttft:600000", "tpot:600000"])
+    assert [r["rate"] for r in g["rates"]] == [5, 20]  # from the lowest up, a seed each
+    assert [r["seed"] for r in g["rates"]] == [0, 1]
+    assert all((r["completed"], r["good"], r["passed"]) == (3, 3, True) for r in g["rates"])
+    assert g["goodput"] == 20
+    g = _goodput(base, tmp_path / "strict.json", ["ttft:0.01"])  # no request can meet it
+    assert len(g["rates"]) == 1 and g["rates"][0]["good"] == 0 and g["goodput"] == 0

@@ -15,7 +15,8 @@ from baton.common.index.server import free_port
 
 
 def start_up(args: list[str], logs: Path, timeout: float = 300.0) -> tuple[int, subprocess.Popen]:
-    """Start ``baton up ARGS`` on a free port and wait (bounded) until it says it is ready."""
+    """Start ``baton up ARGS`` on a free port and wait (bounded) until it says it is ready; what
+    it printed until then is ``proc.startup_lines``."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     proc = subprocess.Popen(
@@ -44,6 +45,7 @@ def start_up(args: list[str], logs: Path, timeout: float = 300.0) -> tuple[int, 
             break
         lines.append(line)
         if "Baton is ready" in line:
+            proc.startup_lines = lines  # type: ignore[attr-defined]
             return port, proc
     stop_up(proc)
     logs_text = "".join(p.read_text()[-2000:] for p in logs.glob("*.log"))

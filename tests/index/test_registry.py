@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import redis
 
@@ -27,6 +29,9 @@ def test_worker_info_round_trips_through_json():
     info = _worker("p0", queued_prefill_tokens=12.0, free_blocks=100.0)
     assert WorkerInfo.from_json(info.to_json()) == info
     assert info.with_load(num_running=3.0).load == {"num_running": 3.0}
+    shown = replace(info, settings={"dtype": "bfloat16", "cpus": "0,1", "threads": 2, "colocated": True})
+    assert WorkerInfo.from_json(shown.to_json()) == shown
+    assert WorkerInfo.from_dict({k: v for k, v in info.to_dict().items() if k != "settings"}).settings == {}
     with pytest.raises(ValueError, match="role"):
         _worker("x", role="router")
 
@@ -93,6 +98,19 @@ def test_heartbeat_thread_keeps_a_worker_alive_past_its_ttl(client):
         beat.stop()
     assert not beat.running
     assert registry.get("d0") is None  # stop() deregisters at once
+
+
+def test_beat_now_publishes_at_once(client):
+    registry = WorkerRegistry(client, MODEL, ttl_s=60)  # beats every 20 s unless asked
+    state = {"n": 0.0}
+    beat = Heartbeat(registry, lambda: _worker("d1", role="decode", prefill_connected=state["n"]))
+    beat.start()
+    try:
+        state["n"] = 1.0
+        beat.beat_now()
+        assert wait_until(lambda: registry.get("d1").load["prefill_connected"] == 1.0, 5.0)
+    finally:
+        beat.stop()
 
 
 def test_a_stopped_heartbeat_without_deregister_expires_by_ttl(client):
