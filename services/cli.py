@@ -327,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
     from baton.bench import breakdown as bench_breakdown
+    from baton.bench import gateway as bench_gateway
     from baton.bench import goodput as bench_goodput
     from baton.bench import serve as bench_serve
     from baton.bench import transfer as bench_transfer
@@ -335,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_transfer.register(bench)
     bench_breakdown.register(bench)
     bench_goodput.register(bench)
+    bench_gateway.register(bench)
     return parser
 
 
