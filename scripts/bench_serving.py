@@ -4,7 +4,7 @@ and vLLM (when ``--vllm-serve`` is given), all measured by ``baton bench serve``
 prefill workers and W4, and a plot per rate.
 
     .venv/bin/python scripts/bench_serving.py --out docs/bench --rates 0.75,1,1.5 \\
-        --vllm-serve /work/bench/vllm_serve.sh --vllm-bench /work/peer/venv/bin/vllm
+        --vllm-serve PEER/vllm_serve.sh --vllm-bench PEER/venv/bin/vllm
 
 ``--vllm-serve`` is a command that starts ``vllm serve`` on the port given as its first argument
 (see docs/benchmarks.md); ``--vllm-bench`` runs ``vllm bench serve`` against it at the middle rate,
@@ -95,8 +95,12 @@ def main() -> int:
     ap.add_argument("--systems", default="disaggregated,colocated,vllm,w3,w4")
     ap.add_argument("--vllm-serve", default=None, help="command that starts vllm serve on port $1")
     ap.add_argument("--vllm-bench", default=None, help="the vllm executable, for vllm bench serve")
-    ap.add_argument("--vllm-tokenizer", default="/work/peer/smollm2-hf")
+    ap.add_argument(
+        "--vllm-tokenizer", default=None, help="the HF directory of ../shared/peers/make_hf_dir.py"
+    )
     a = ap.parse_args()
+    if a.vllm_bench and not a.vllm_tokenizer:
+        ap.error("--vllm-bench needs --vllm-tokenizer")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = a.rates.split(",")

