@@ -45,21 +45,33 @@ class TransferDescriptor(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "resume_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_address: str
     prefill_worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "text", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_bytes_per_token", "published_unix_s")
+    __slots__ = ("request_id", "token_ids", "logprobs", "text", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_bytes_per_token", "published_unix_s", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +83,7 @@ class GenerateChunk(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -82,7 +95,8 @@ class GenerateChunk(_message.Message):
     kv_transfer_bytes: int
     kv_bytes_per_token: int
     published_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., published_unix_s: _Optional[float] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., published_unix_s: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "num_skip_tokens", "dst_block_ids", "kv_layout")
