@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -22,8 +23,20 @@ from baton.services.gateway.errors import APIError, bad_request, unavailable
 from baton.services.gateway.metrics import GatewayMetrics
 from baton.services.gateway.router import NoWorkerError, Router
 
+log = logging.getLogger(__name__)
+
 MAX_ATTEMPTS = 3
 """Workers tried for one decode request when they are unreachable before the first token."""
+MIGRATABLE = frozenset(
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN]
+)
+"""A stream that fails with these after its first token is resumed on another decode worker: the
+worker died, lost its connection, was drained or cancelled the call itself. Not INTERNAL (a request
+that failed in the engine fails again anywhere), not the client's errors, not the deadline."""
+
+
+class Stalled(Exception):
+    """A decode worker sent nothing within the progress deadline (hung, not dead)."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +87,52 @@ def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
     return APIError(500, f"decode worker error ({code.name}): {details}", type="server_error")
 
 
+@dataclass
+class _Progress:
+    """What one decode request has streamed so far: what a migration resumes from."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0
+    finished: bool = False
+    migrations: int = 0
+    last: float | None = None
+    """When its latest token arrived (``Dispatcher._observe``)."""
+
+    def add(self, chunk: baton_pb2.GenerateChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text_chars += len(chunk.text)
+        self.finished = self.finished or bool(chunk.finish_reason)
+
+    def request(self, base: baton_pb2.GenerateRequest) -> baton_pb2.GenerateRequest:
+        """``base``, or, once tokens were sent, ``base`` resumed after them (prefilled where it goes)."""
+        if not self.token_ids:
+            return base
+        resumed = baton_pb2.GenerateRequest()
+        resumed.CopyFrom(base)
+        resumed.prefill_address = resumed.prefill_worker_id = ""
+        resumed.resume_token_ids[:] = self.token_ids
+        resumed.resume_text_chars = self.text_chars
+        return resumed
+
+
 class Dispatcher:
     """Runs decode requests on the workers the router picks."""
 
-    def __init__(self, router: Router, metrics: GatewayMetrics, timeout_s: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        metrics: GatewayMetrics,
+        timeout_s: float,
+        max_migrations: int = 3,
+        progress_timeout_s: float = 10.0,
+    ) -> None:
+        """``max_migrations``: how many times one decode request may move to another worker;
+        ``progress_timeout_s``: the longest a started stream may go without a chunk."""
         self._router = router
         self._metrics = metrics
         self._timeout_s = timeout_s
+        self._max_migrations = max_migrations
+        self._progress_timeout_s = progress_timeout_s
 
     async def merged(
         self, subs: Sequence[SubRequest], arrival: float, prompt_param: str
@@ -122,17 +174,21 @@ class Dispatcher:
     async def stream(
         self, sub: SubRequest, arrival: float, prompt_param: str
     ) -> AsyncIterator[baton_pb2.GenerateChunk]:
-        """One decode request's chunks. A worker that is unreachable before the first chunk is
-        left out and another one tried."""
+        """One decode request's chunks. A worker that is unreachable before the first chunk is left
+        out and another one tried; one that fails or stalls mid-stream is left out of routing and
+        the request migrates: it resumes on another worker from the tokens and text already sent,
+        so that the chunks go on without a gap or a repeat (greedy: token-identical)."""
         prefill = await self._router.pick_prefill(sub.prompt_token_ids)
-        request = baton_pb2.GenerateRequest(
+        base = baton_pb2.GenerateRequest(
             request_id=sub.request_id,
             prompt_token_ids=sub.prompt_token_ids,
             params=params_to_proto(sub.params),
             prefill_address=prefill.grpc_address if prefill else "",
             prefill_worker_id=prefill.id if prefill else "",
         )
+        progress = _Progress()
         tried: list[str] = []
+        deadline = time.monotonic() + self._timeout_s
         with contextlib.ExitStack() as queued:
             if prefill is not None:
                 # Counted at once, before anything awaits, so that requests picking at the same
@@ -146,26 +202,72 @@ class Dispatcher:
                         exclude=tried, prompt_token_ids=sub.prompt_token_ids
                     )
                 except NoWorkerError as e:
+                    if progress.token_ids:
+                        raise unavailable(
+                            f"the decode worker failed mid-stream and no other can resume it: {e}",
+                            code="no_decode_worker",
+                        ) from None
                     raise unavailable(str(e), code="no_decode_worker") from None
                 address = worker.grpc_address
-                call = self._router.decode_stub(address).Generate(request, timeout=self._timeout_s)
-                last: float | None = None
+                request = progress.request(base)
+                call = self._router.decode_stub(address).Generate(
+                    request, timeout=max(deadline - time.monotonic(), 0.001)
+                )
                 try:
                     with self._router.track(address), self._metrics.in_flight.track_inprogress():
-                        async for chunk in call:
+                        async for chunk in self._chunks(call, progress):
                             queued.close()  # the prompt is prefilled once a chunk arrives
-                            last = self._observe(chunk, arrival, last)
+                            progress.last = self._observe(chunk, arrival, progress.last)
+                            progress.add(chunk)
                             yield chunk
                     return
-                except grpc.aio.AioRpcError as e:
-                    unreached = e.code() == grpc.StatusCode.UNAVAILABLE and last is None
-                    if unreached and len(tried) < MAX_ATTEMPTS - 1:
-                        self._router.forget(address)
-                        tried.append(address)
-                        continue
+                except (grpc.aio.AioRpcError, Stalled) as e:
+                    if progress.finished:
+                        return  # everything arrived; only the call's ending failed
+                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+                    if not progress.token_ids:
+                        unreached = code == grpc.StatusCode.UNAVAILABLE
+                        if unreached and len(tried) < MAX_ATTEMPTS - 1:
+                            self._router.forget(address)
+                            tried.append(address)
+                            continue
+                    if (code in MIGRATABLE or code is None) and progress.token_ids:
+                        if progress.migrations < self._max_migrations:
+                            progress.migrations += 1
+                            self._metrics.migrated("stalled" if code is None else "failed")
+                            log.warning(
+                                "decode worker %s failed mid-stream (%s): resuming %s after %d tokens",
+                                address,
+                                "no progress" if code is None else code.name,
+                                sub.request_id,
+                                len(progress.token_ids),
+                            )
+                            self._router.mark_failed(address)
+                            tried.append(address)
+                            continue
+                        raise unavailable(
+                            f"the request failed on {progress.migrations + 1} decode workers",
+                            code="too_many_migrations",
+                        ) from None
+                    if not isinstance(e, grpc.aio.AioRpcError):
+                        raise unavailable("the decode worker stopped making progress") from None
                     raise rpc_error(e, prompt_param) from None
                 finally:
                     call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
+
+    async def _chunks(self, call, progress: _Progress) -> AsyncIterator[baton_pb2.GenerateChunk]:
+        """The call's chunks; once the request has its first token, a gap longer than the progress
+        deadline raises ``Stalled`` (a hung worker: a dead one fails the call by itself)."""
+        it = call.__aiter__()
+        while True:
+            wait = self._progress_timeout_s if progress.token_ids else None
+            try:
+                chunk = await asyncio.wait_for(anext(it), wait)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise Stalled from None
+            yield chunk
 
     def _observe(self, chunk: baton_pb2.GenerateChunk, arrival: float, last: float | None) -> float | None:
         """Record a chunk's latencies and counts; returns the time of the latest token."""

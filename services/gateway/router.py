@@ -35,6 +35,18 @@ class Router:
     # What one queued or running request costs a worker, in prompt tokens to compute: about one
     # W2 prompt. A worker holding a 1k-token prefix wins until it has ~4 more requests than another.
     LOAD_COST_TOKENS = 256.0
+    # A worker that failed mid-stream stays out of routing this long (the workers' registry TTL
+    # is 6 s): a restarted worker registers a new address, so nothing live is kept out.
+    FAILED_HOLD_S = 10.0
+    # Keepalive on the channels to workers: a worker that stops answering (a hung process, a
+    # dropped connection without a reset) fails its calls within ~4 s, also before a stream's first
+    # token, when the gateway's progress deadline does not yet apply. The workers' servers allow
+    # pings this often (``worker_base.GRPC_SERVER_OPTIONS``).
+    CHANNEL_OPTIONS = (
+        ("grpc.keepalive_time_ms", 2000),
+        ("grpc.keepalive_timeout_ms", 2000),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
 
     def __init__(
         self,
@@ -56,6 +68,7 @@ class Router:
         self._refresh_lock = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
+        self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
 
     async def list_workers(self, role: Role | None = None) -> list[WorkerInfo]:
         """Live workers from Redis now (no cache)."""
@@ -86,7 +99,13 @@ class Router:
     ) -> WorkerInfo:
         """The decode worker (address not in ``exclude``) where the prompt costs least: uncached
         prompt tokens plus ``LOAD_COST_TOKENS`` per request on it; ties go to the least loaded."""
-        candidates = [w for w in await self.decode_workers() if w.grpc_address not in exclude]
+        now = time.monotonic()
+        self._failed = {a: until for a, until in self._failed.items() if until > now}
+        candidates = [
+            w
+            for w in await self.decode_workers()
+            if w.grpc_address not in exclude and w.grpc_address not in self._failed
+        ]
         if not candidates:
             raise NoWorkerError("no decode worker is available")
         cached = await self._cached_tokens(prompt_token_ids)
@@ -147,6 +166,13 @@ class Router:
         """Leave a worker that failed out of the choice until the next refresh."""
         self._decode = [w for w in self._decode if w.grpc_address != address]
 
+    def mark_failed(self, address: str) -> None:
+        """Leave a decode worker whose stream failed mid-request out of the choice for
+        ``FAILED_HOLD_S``, not only until the next refresh: its registry key outlives it by up to
+        the heartbeat TTL, and the requests routed there meanwhile would each pay a failed call."""
+        self._failed[address] = time.monotonic() + self.FAILED_HOLD_S
+        self.forget(address)
+
     @contextmanager
     def track(self, address: str) -> Iterator[None]:
         """Count a call to ``address`` as in flight while the block runs."""
@@ -164,7 +190,9 @@ class Router:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=list(self.CHANNEL_OPTIONS)
+            )
         return channel
 
     async def _close_unused_channels(self, live: set[str]) -> None:
