@@ -56,6 +56,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds, free blocks' included (what a worker publishes)."""
+        return list(self._cached)
+
     # -- allocation ----------------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the head of the free queue, evicting any prefix they cached."""

@@ -122,6 +122,10 @@ class PrefixIndex:
             pipe.smembers(keys.prefix_key(self._model, h))
         return chain_lengths([{as_text(w) for w in ws} for ws in pipe.execute()])
 
+    def ping(self) -> None:
+        """One round trip to Redis (raises if it is away)."""
+        self._client.ping()
+
     def num_entries(self) -> int:
         """How many block hashes the bound currently counts."""
         return int(self._client.zcard(self._lru))

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from baton.common.index import keys
 from baton.common.index._codec import as_text, ttl_ms
+from baton.common.index.outage import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +92,22 @@ class WorkerRegistry:
         self._ttl_ms = ttl_ms(ttl_s)
         self.ttl_s = ttl_s
 
-    def register(self, info: WorkerInfo) -> None:
-        """Publish ``info`` with a fresh TTL (replacing any earlier record of the same id)."""
-        self._client.set(keys.worker_key(self._model, info.id), info.to_json(), px=self._ttl_ms)
+    def register(self, info: WorkerInfo) -> bool:
+        """Publish ``info`` with a fresh TTL (replacing any earlier record of the same id); whether
+        a record of it was there already. EXISTS and SET run in one MULTI, so the answer is about
+        the very record this SET replaced (Redis 6+; ``SET ... GET`` would need 6.2)."""
+        key = keys.worker_key(self._model, info.id)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.exists(key)
+        pipe.set(key, info.to_json(), px=self._ttl_ms)
+        existed, _ = pipe.execute()
+        return bool(existed)
 
-    def heartbeat(self, info: WorkerInfo) -> None:
-        """Refresh the TTL and the load. Also re-creates a record that expired (e.g. after a pause),
-        so a live worker comes back on its next beat."""
-        self.register(info)
+    def heartbeat(self, info: WorkerInfo) -> bool:
+        """Refresh the TTL and the load; whether the record was still there. Also re-creates a
+        record that was gone (it expired during a pause, or Redis restarted empty), so a live worker
+        comes back on its next beat: False says that Redis forgot it meanwhile."""
+        return self.register(info)
 
     def deregister(self, worker_id: str) -> bool:
         """Remove a worker at once; whether it was registered."""
@@ -128,7 +137,13 @@ class Heartbeat:
     ``source`` is the record to publish, or a function returning the current one (so that the load
     is fresh on each beat). ``start()`` registers once in the caller's thread, so that a bad
     address or an unreachable Redis fails loudly, then starts the thread; ``stop()`` ends the
-    thread and, by default, deregisters. A failed beat is logged and retried on the next one.
+    thread and, by default, deregisters. A failed beat is retried on the next one; an outage is
+    logged when it starts, every 30 s while it lasts and when it ends, not at every beat.
+
+    ``on_forgotten`` is called (on the heartbeat thread; it must only hand work over) when a beat
+    finds that Redis had lost this worker's record: Redis restarted empty, or the worker was
+    paused past its TTL. The beat has registered it again; whatever else the worker publishes
+    (its cached block hashes) is gone too and worth publishing again.
     """
 
     def __init__(
@@ -136,10 +151,15 @@ class Heartbeat:
         registry: WorkerRegistry,
         source: WorkerInfo | Callable[[], WorkerInfo],
         interval_s: float | None = None,
+        on_forgotten: Callable[[], None] | None = None,
     ) -> None:
         self._registry = registry
         self._source = source
         self._interval_s = registry.ttl_s / 3 if interval_s is None else interval_s
+        self._on_forgotten = on_forgotten
+        self._outage = OutageLog(log, "worker registry (heartbeat)")
+        self.num_forgotten = 0
+        """Beats that found the record gone and re-created it (for tests and operators)."""
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,7 +211,21 @@ class Heartbeat:
             self._wake.clear()
             if self._stop.is_set():
                 return
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            present = self._registry.heartbeat(self._current())
+        except Exception as e:  # noqa: BLE001 - a beat must not kill the thread; the next one retries
+            self._outage.failed(e)
+            return
+        self._outage.ok()
+        if present:
+            return
+        self.num_forgotten += 1
+        log.warning("the worker registry had lost worker %s: registered it again", self._worker_id)
+        if self._on_forgotten is not None:
             try:
-                self._registry.heartbeat(self._current())
-            except Exception:  # noqa: BLE001 - a beat must not kill the thread; the next one retries
-                log.exception("heartbeat failed")
+                self._on_forgotten()
+            except Exception:  # noqa: BLE001 - a failed catch-up must not stop the beats
+                log.exception("catching up after the registry forgot this worker")
