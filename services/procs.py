@@ -1,8 +1,10 @@
-"""Child processes of ``baton up``: started together, watched, and stopped with nothing left."""
+"""Child processes of ``baton up``: started together, restarted when they exit (``Supervisor``),
+and stopped with nothing left."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -10,17 +12,41 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _child_setup(cpus: tuple[int, ...]) -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see _restart
+
+
+def _popen(
+    args: Sequence[str], env: dict | None, log_path: str | None, cpus: Sequence[int] = ()
+) -> subprocess.Popen:
+    """A child that dies with this process, in its own process group: a terminal's Ctrl-C reaches
+    only ``baton up``, which then stops its children once each (a second signal would make a
+    worker skip its drain)."""
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed below, the child has its own
+    try:
+        return subprocess.Popen(
+            list(args),
+            env={**os.environ, **(env or {})},
+            stdout=out or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=functools.partial(_child_setup, tuple(cpus)),
+            process_group=0,
+        )
+    finally:
+        if out is not None:
+            out.close()
 
 
 @dataclass
@@ -30,35 +56,150 @@ class ProcessGroup:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def spawn(
-        self, name: str, args: Sequence[str], env: dict | None = None, log_path: str | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict | None = None,
+        log_path: str | None = None,
+        cpus: Sequence[int] = (),
     ) -> None:
-        out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
-        p = subprocess.Popen(
-            list(args),
-            env={**os.environ, **(env or {})},
-            stdout=out or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent,
-        )
-        self.procs.append((name, p))
+        """Start ``args`` as the child ``name``, its output appended to ``log_path`` (default:
+        stdout dropped, stderr inherited), on ``cpus`` if given."""
+        self.procs.append((name, _popen(args, env, log_path, cpus)))
 
     def dead(self) -> list[tuple[str, int]]:
         """Children that have exited, with their exit codes."""
         return [(name, p.returncode) for name, p in self.procs if p.poll() is not None]
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM every child, wait up to ``timeout``, then SIGKILL what is left."""
-        for _, p in self.procs:
+    def stop(self, timeout: float = 15.0, names: Sequence[str] | None = None) -> None:
+        """SIGTERM every child (or those in ``names``), wait up to ``timeout``, then SIGKILL what
+        is left."""
+        procs = [(n, p) for n, p in self.procs if names is None or n in names]
+        for _, p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for name, p in self.procs:
+        for name, p in procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0f s: killing it", name, timeout)
                 p.kill()
                 p.wait(5)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """When a ``Supervisor`` restarts a child that exited: after ``initial_s``, doubling with each
+    exit in a row up to ``max_s``. It never gives up, as Kubernetes does not (CrashLoopBackOff: 10 s
+    doubling to 5 min): a cluster whose Redis or model file comes back heals by itself."""
+
+    initial_s: float = 0.5
+    """Wait before restarting a child that exited for the first time (in a row)."""
+    max_s: float = 30.0
+    """Longest wait between restarts."""
+    reset_after_s: float = 60.0
+    """A child that ran this long before it exited counts as healthy: back to ``initial_s``."""
+
+    def next(self, ran_s: float, exits_in_a_row: int) -> tuple[float, int]:
+        """The wait before restarting a child that exited after running ``ran_s``, having exited
+        ``exits_in_a_row`` times in a row before; and the new count."""
+        n = 0 if ran_s >= self.reset_after_s else exits_in_a_row
+        return min(self.max_s, self.initial_s * 2**n), n + 1
+
+
+@dataclass
+class _Child:
+    """What a ``Supervisor`` knows of one child, to start it again the same way."""
+
+    args: tuple[str, ...]
+    env: dict | None
+    log_path: str | None
+    cpus: tuple[int, ...]
+    started: float
+    exits_in_a_row: int = 0
+    restart_at: float | None = None
+    """When it is due to start again; None while it runs."""
+
+
+@dataclass
+class Supervisor(ProcessGroup):
+    """A ``ProcessGroup`` whose children are restarted, with ``backoff``, whenever they exit (any
+    code, or a signal) and ``supervise`` is called; ``stop`` ends them for good (nothing is
+    restarted while stopping, as ``supervise`` is not called then). ``on_restart(name, code)`` is
+    told each restart and the exit code before it."""
+
+    backoff: Backoff = field(default_factory=Backoff)
+    on_restart: Callable[[str, int], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    _children: dict[str, _Child] = field(default_factory=dict, init=False, repr=False)
+
+    def spawn(
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict | None = None,
+        log_path: str | None = None,
+        cpus: Sequence[int] = (),
+    ) -> None:
+        if name in self._children:
+            raise ValueError(f"a child named {name!r} exists already")
+        super().spawn(name, args, env, log_path, cpus)
+        self._children[name] = _Child(tuple(args), env, log_path, tuple(cpus), self.clock())
+
+    def remove(self, name: str) -> None:
+        """Stop supervising ``name`` (which has exited, or is killed now)."""
+        for i, (n, p) in enumerate(self.procs):
+            if n == name:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5)
+                del self.procs[i]
+                break
+        self._children.pop(name, None)
+
+    def supervise(self) -> None:
+        """One round: note each child that exited (its restart is due after the backoff), and
+        start again those whose wait is over."""
+        now = self.clock()
+        for i, (name, p) in enumerate(self.procs):
+            child = self._children[name]
+            if child.restart_at is None and p.poll() is not None:
+                ran = now - child.started
+                wait, child.exits_in_a_row = self.backoff.next(ran, child.exits_in_a_row)
+                child.restart_at = now + wait
+                log.warning(
+                    "%s exited with %s after %.1f s: restarting it in %.1f s",
+                    name,
+                    describe_exit(p.returncode),
+                    ran,
+                    wait,
+                )
+            elif child.restart_at is not None and now >= child.restart_at:
+                self.procs[i] = (name, self._restart(name, child, now))
+                if self.on_restart is not None:
+                    self.on_restart(name, p.returncode)
+
+    def _restart(self, name: str, child: _Child, now: float) -> subprocess.Popen:
+        # Signals wait until the child is recorded: a Ctrl-C here must not leave one unstopped.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            proc = _popen(child.args, child.env, child.log_path, child.cpus)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        child.started, child.restart_at = now, None
+        log.warning("%s restarted (pid %d)", name, proc.pid)
+        return proc
+
+
+def describe_exit(code: int) -> str:
+    """``code 1``, or ``signal SIGKILL`` for a child that a signal ended (Popen's negative codes)."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
 
 
 def wait_http_ok(url: str, group: ProcessGroup, timeout: float) -> None:
