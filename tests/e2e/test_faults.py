@@ -205,12 +205,26 @@ def _assert_complete_and_identical(streams: list[Stream], reference) -> None:
         assert s.text == text
 
 
+def _report(fault: str, streams: list[Stream], at: float) -> None:
+    """What docs/reliability.md quotes (``pytest -s``): the longest silence a stream saw, from the
+    fault to its next token."""
+    waits = [next((t - at for t in s.times if t > at), float("nan")) for s in streams]
+    print(f"\n{fault}: first token after the fault within {max(waits):.2f} s (streams: {len(streams)})")
+
+
 def test_a_killed_decode_worker_loses_no_stream(cluster):
     reference = _reference(cluster)
     before = cluster.migrations()
-    streams = _streams_until(cluster, lambda: cluster.signal("decode-a", signal.SIGKILL))
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        cluster.signal("decode-a", signal.SIGKILL)
+
+    streams = _streams_until(cluster, kill)
     _assert_complete_and_identical(streams, reference)
     assert cluster.migrations() - before >= 1  # the streams on decode-a moved to decode-b
+    _report("kill -9 of a decode worker", streams, killed[0])
     assert cluster.workers["decode-a"].wait(10) == -signal.SIGKILL
 
 
@@ -231,6 +245,7 @@ def test_a_hung_decode_worker_is_migrated_within_the_progress_deadline(cluster):
     # The longest silence any stream saw: the progress deadline (or keepalive), plus the resume.
     gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:])]
     assert max(gaps) < PROGRESS_TIMEOUT_S + 5.0, max(gaps)
+    _report(f"SIGSTOP of a decode worker (progress deadline {PROGRESS_TIMEOUT_S} s)", streams, stopped[0])
     cluster.signal("decode-b", signal.SIGKILL)
     cluster.workers["decode-b"].wait(10)
 
@@ -249,5 +264,7 @@ def test_without_another_worker_the_client_gets_an_error_event_within_5_s(cluste
         assert s.error is not None and s.error["code"] == "no_decode_worker", s.error
         assert s.error_at - killed[0] < 5.0
         assert len(s.token_ids) < MAX_TOKENS
+    slowest = max(s.error_at - killed[0] for s in streams if s.error_at is not None)
+    print(f"\nkill -9 of the last decode worker: error event within {slowest:.2f} s")
     r = httpx.post(f"{cluster.base}/v1/completions", json=_body(PROMPTS[0], False), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_decode_worker"
