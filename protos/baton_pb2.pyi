@@ -117,20 +117,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., num_skip_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "num_computed_tokens", "num_cached_tokens", "bytes_sent")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "num_computed_tokens", "num_cached_tokens", "bytes_sent", "first_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: float
     num_computed_tokens: int
     num_cached_tokens: int
     bytes_sent: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    first_top_logprobs: TopLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("destination", "kv_layout")

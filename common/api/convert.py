@@ -1,7 +1,8 @@
-"""SamplingParams <-> protobuf. Both directions validate through ``SamplingParams``."""
+"""SamplingParams and TopLogprobs <-> protobuf. SamplingParams validate both ways."""
 
 from __future__ import annotations
 
+from baton.common.engine.outputs import TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
 from baton.protos import baton_pb2
 
@@ -40,3 +41,11 @@ def params_from_proto(msg: baton_pb2.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens,
     )
+
+
+def top_logprobs_to_proto(top: TopLogprobs) -> baton_pb2.TopLogprobs:
+    return baton_pb2.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def top_logprobs_from_proto(msg: baton_pb2.TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(tuple(msg.token_ids), tuple(msg.logprobs))

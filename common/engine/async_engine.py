@@ -23,12 +23,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.common.engine.block_pool import CacheEvents
-from baton.common.engine.llm_engine import LLMEngine
-from baton.common.engine.outputs import RequestOutput
+from baton.common.engine.llm_engine import EngineFullError, LLMEngine
+from baton.common.engine.outputs import RequestOutput, TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineFullError", "RequestFailedError", "StreamDelta"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (an exception escaped ``LLMEngine.step()`` or a command): what every
+    open stream, and every later ``generate``/``generate_remote``, raises. Not the request's fault:
+    retry it on another worker (the decode worker answers gRPC UNAVAILABLE)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its step raised, or its logits were not finite) and went on
+    serving the others (the decode worker answers gRPC INTERNAL). Raised by its stream."""
 
 
 @dataclass
@@ -46,6 +59,8 @@ class StreamDelta:
     num_cached_tokens: int = 0
     published_unix_s: float = 0.0
     """When the engine thread handed it over (wall clock): the serving breakdown's zero."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """One per token in ``token_ids`` when the request asks for ``logprobs`` > 0."""
 
 
 @dataclass
@@ -79,6 +94,7 @@ class _Stream:
             stop_reason=c.stop_reason,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
+            top_logprobs=None if c.top_logprobs is None else c.top_logprobs[self.sent_tokens :],
         )
         self.sent_tokens = len(c.token_ids)
         self.sent_text = max(self.sent_text, len(text))
@@ -101,11 +117,14 @@ class AsyncEngine:
         self,
         engine: LLMEngine | Callable[[], LLMEngine],
         on_cache_events: Callable[[CacheEvents], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ):
         """``engine`` is an engine, or a factory that ``start()`` calls on the engine thread (what a
         worker should pass: see the module's docstring). ``on_cache_events`` receives each step's
         prefix-cache changes on the engine thread; it must only hand them over (e.g.
-        ``CachePublisher.submit``)."""
+        ``CachePublisher.submit``). ``on_fatal`` is called once, on the engine thread, when the
+        engine cannot go on, after every open stream has been failed with ``EngineDeadError``:
+        the worker should stop serving and exit so that its supervisor restarts it."""
         if isinstance(engine, LLMEngine):
             built = engine
             self._factory: Callable[[], LLMEngine] = lambda: built
@@ -113,6 +132,7 @@ class AsyncEngine:
             self._factory = engine
         self._engine: LLMEngine | None = None
         self._on_cache_events = on_cache_events
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -148,7 +168,14 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread is up and its engine alive (a dead engine's thread only refuses)."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _dead_error(self) -> EngineDeadError:
+        e = self.error
+        dead = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+        dead.__cause__ = e
+        return dead
 
     # -- the caller's side (event loop thread) -------------------------------------------------
     async def generate(
@@ -158,7 +185,7 @@ class AsyncEngine:
         ``ValueError`` here, before anything is queued. Leaving the iteration early (a client
         that went away) aborts the request and frees its blocks."""
         if self.error is not None:
-            raise RuntimeError("engine loop failed") from self.error
+            raise self._dead_error()
         self.engine.validate_prompt(prompt_token_ids)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.stop)
         self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
@@ -189,7 +216,7 @@ class AsyncEngine:
         prefill worker to fill those blocks and returns the first token, or None to prefill here
         instead). The engine keeps stepping other requests meanwhile."""
         if self.error is not None:
-            raise RuntimeError("engine loop failed") from self.error
+            raise self._dead_error()
         self.engine.validate_prompt(prompt_token_ids)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.stop)
@@ -199,7 +226,7 @@ class AsyncEngine:
         try:
             try:
                 got = await reserved
-            except ValueError:
+            except (ValueError, EngineFullError):
                 finished = True  # refused at admission (e.g. a duplicate id): nothing to abort
                 raise
             if got is None:  # no room to park it: prefill here, like any request
@@ -243,12 +270,39 @@ class AsyncEngine:
                         self._publish(out)
                     if self._on_cache_events is not None:
                         self._on_cache_events(self.engine.pool.take_events())
-        except BaseException as e:  # the loop must not die silently: fail every open stream
-            log.exception("engine loop failed")
-            self.error = e
-            for rid, stream in list(self._streams.items()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {e}"))
-                self._streams.pop(rid, None)
+        except BaseException as e:  # the engine cannot go on: never a zombie that keeps serving
+            self._die(e)
+            self._refuse_commands()
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every open stream with ``EngineDeadError``, then tell the owner (``on_fatal``)."""
+        log.error("engine loop failed: the engine is dead", exc_info=error)
+        self.error = error
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self._dead_error())
+        self._streams.clear()
+        if self._on_fatal is not None:
+            try:
+                self._on_fatal(error)
+            except Exception:  # noqa: BLE001 - the owner's failure must not hide the engine's
+                log.exception("on_fatal failed")
+
+    def _refuse_commands(self) -> None:
+        """A dead engine's thread answers every request still sent to it with ``EngineDeadError``
+        until ``stop()``: one that raced past ``generate``'s check never waits forever."""
+        while not self._stopping.is_set():
+            try:
+                self._refuse(self._commands.get(timeout=0.5))
+            except queue.Empty:
+                continue
+
+    def _refuse(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            stream = cmd[4]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self._dead_error())
+        elif cmd[0] == "reserve":
+            stream, fut = cmd[4], cmd[5]
+            stream.loop.call_soon_threadsafe(_settle, fut, None, self._dead_error())
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -268,7 +322,7 @@ class AsyncEngine:
             _, rid, ids, params, stream = cmd
             try:
                 self.engine.add_request(rid, ids, params)
-            except ValueError as e:
+            except (ValueError, EngineFullError) as e:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 return
             self._streams[rid] = stream
@@ -276,7 +330,7 @@ class AsyncEngine:
             _, rid, ids, params, stream, fut = cmd
             try:
                 got = self.engine.reserve_remote(rid, ids, params)
-            except ValueError as e:
+            except (ValueError, EngineFullError) as e:
                 stream.loop.call_soon_threadsafe(_settle, fut, None, e)
                 return
             if got is not None:
@@ -300,6 +354,12 @@ class AsyncEngine:
     def _publish(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
+            return
+        c = out.outputs[0]
+        if c.finish_reason == "error":  # failed in the engine: its stream raises
+            del self._streams[out.request_id]
+            failed = RequestFailedError(f"request {out.request_id!r} failed: {c.error}")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
             return
         delta = stream.delta(out)
         if out.finished:

@@ -111,6 +111,12 @@ class BlockPool:
             self._events.removed.append(block.block_hash)
         block.block_hash = None
 
+    def uncache_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget the prefixes these blocks hold (evict events included): their KV is suspect, e.g.
+        a failed step was writing it, so no later prompt may hit it. Ref counts are unchanged."""
+        for block_id in block_ids:
+            self._evict(self.blocks[block_id])
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
         if len(self._free) != self.num_blocks:

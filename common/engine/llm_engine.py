@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -54,6 +57,28 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
+    max_waiting_requests: int = 1024
+    """Most requests not yet running (waiting, preempted, parked for a remote prefill); past it a
+    new one is refused (``EngineFullError``)."""
+    max_waiting_tokens: int = 262_144
+    """Most tokens those requests may still have to compute; past it a new one is refused."""
+    max_consecutive_failed_steps: int = 3
+    """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+class EngineFullError(Exception):
+    """The engine's waiting queue is full: try again later or elsewhere (gRPC RESOURCE_EXHAUSTED,
+    HTTP 429). Deliberately not a ``ValueError``, which means the client's request is bad."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine cannot go on: its block pool's books no longer balance after a failed step, or
+    ``max_consecutive_failed_steps`` steps in a row failed."""
 
 
 class LLMEngine:
@@ -118,6 +143,11 @@ class LLMEngine:
         self.forward_seconds_total = 0.0
         self.detokenize_seconds_total = 0.0
         self._remote: dict[str, Request] = {}  # parked while another worker prefills them
+        # Failures (``_fail_step``): every failed step and request, and failed steps since the last
+        # good one (the engine gives up at ``max_consecutive_failed_steps``).
+        self.num_failed_steps_total = 0
+        self.num_failed_requests_total = 0
+        self._failed_steps_in_a_row = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -157,6 +187,7 @@ class LLMEngine:
         prompt: str | None = None,
     ) -> None:
         self.validate_prompt(prompt_token_ids)
+        self.check_queue_room(len(prompt_token_ids))
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -168,6 +199,24 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+
+    def check_queue_room(self, num_tokens: int) -> None:
+        """Raise ``EngineFullError`` unless one more request of ``num_tokens`` tokens fits under the
+        caps on requests not yet running (``max_waiting_requests``, ``max_waiting_tokens``).
+        Counted afresh each time (at most ``max_waiting_requests`` terms): no counter to keep in
+        step with every path in and out of the queue."""
+        cfg = self.config
+        waiting = list(self.scheduler.waiting) + list(self._remote.values())
+        if len(waiting) >= cfg.max_waiting_requests:
+            raise EngineFullError(
+                f"{len(waiting)} requests are waiting (max_waiting_requests={cfg.max_waiting_requests})"
+            )
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        if waiting and queued + num_tokens > cfg.max_waiting_tokens:  # one alone always fits
+            raise EngineFullError(
+                f"{queued} tokens are waiting and this request brings {num_tokens} "
+                f"(max_waiting_tokens={cfg.max_waiting_tokens})"
+            )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -189,6 +238,7 @@ class LLMEngine:
         pool cannot hold the prompt now (prefill it here instead). The request is parked, outside
         the schedule, until ``resume_remote``."""
         self.validate_prompt(prompt_token_ids)
+        self.check_queue_room(len(prompt_token_ids))
         if request_id in self.scheduler.requests or request_id in self._remote:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.scheduler.release_completing(request_id)
@@ -290,11 +340,15 @@ class LLMEngine:
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
         forward = time.perf_counter()
-        sampled = self.runner.execute(sched, requests, gens)
+        try:
+            result = self.runner.execute(sched, requests, gens)
+        except Exception as e:  # noqa: BLE001 - a fault in the step fails its requests, not the engine
+            self.forward_seconds_total += time.perf_counter() - forward
+            return self._fail_step(sched, e)
         self.forward_seconds_total += time.perf_counter() - forward
         if self.on_step_computed is not None:
             self.on_step_computed(sched)
-        progressed = self.scheduler.update_from_output(sched, sampled)
+        progressed = self.scheduler.update_from_output(sched, result.sampled)
         self.num_generated_tokens_total += len(progressed)
         outputs = []
         for req in progressed:
@@ -305,9 +359,58 @@ class LLMEngine:
                 self._forget(req.request_id)
             elif include_unfinished:
                 outputs.append(self._make_output(req))
+        if result.failed:
+            outputs += self._fail_requests(result.failed, "the model's logits were not finite", whole=True)
         self.num_steps_total += 1
         self.step_seconds_total += time.perf_counter() - start
+        if result.failed and not progressed:  # nothing in the step came out right: a failed step
+            self._after_failed_step(RuntimeError("every sampled row of the step was not finite"))
+        else:
+            self._failed_steps_in_a_row = 0
         return outputs
+
+    # -- failures ------------------------------------------------------------------------------
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A step that raised: its requests finish with ``FINISHED_ERROR`` (outputs returned, so
+        their streams end), the blocks it was writing leave the prefix cache, and the engine goes on
+        unless ``_after_failed_step`` finds it cannot."""
+        log.error("engine step failed: %s: %s", type(error).__name__, error, exc_info=error)
+        self.pool.uncache_blocks(_written_block_ids(sched, self.config.block_size))
+        self.scheduler.update_from_output(sched, {})  # frees the final blocks it was computing
+        ids = [r.request_id for r in sched.requests if r.request_id in self.scheduler.requests]
+        outputs = self._fail_requests(ids, f"the engine step failed: {type(error).__name__}: {error}")
+        self._after_failed_step(error)
+        return outputs
+
+    def _fail_requests(
+        self, request_ids: Sequence[str], why: str, whole: bool = False
+    ) -> list[RequestOutput]:
+        """Finish requests with ``FINISHED_ERROR``; with ``whole``, none of their blocks stays in
+        the prefix cache (where a NaN came from is unknown)."""
+        if whole:
+            for rid in request_ids:
+                self.pool.uncache_blocks(self.kv.block_ids(rid))
+        outputs = []
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR):
+            req.error = why
+            outputs.append(self._make_output(req))
+            self._forget(req.request_id)
+        self.num_failed_requests_total += len(outputs)
+        log.warning("failed %d request(s): %s", len(outputs), why)
+        return outputs
+
+    def _after_failed_step(self, error: Exception) -> None:
+        """Raise ``EngineStepError`` (fatal: the worker must restart) if the block pool's books do
+        not balance, or if too many steps in a row failed; else count the failure and go on."""
+        self.num_failed_steps_total += 1
+        self._failed_steps_in_a_row += 1
+        try:
+            self.pool.check_integrity()
+        except AssertionError as e:
+            raise EngineStepError(f"the block pool is inconsistent after a failed step: {e}") from error
+        limit = self.config.max_consecutive_failed_steps
+        if self._failed_steps_in_a_row >= limit:
+            raise EngineStepError(f"{self._failed_steps_in_a_row} engine steps in a row failed") from error
 
     def _check_stop_strings(self, req: Request) -> None:
         text = self._detokenize(req)
@@ -343,6 +446,8 @@ class LLMEngine:
             logprobs=list(req.output_logprobs) if params.logprobs is not None else None,
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
+            top_logprobs=list(req.output_top_logprobs) if params.logprobs else None,
+            error=req.error,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -366,6 +471,15 @@ class LLMEngine:
             "kv_cache_usage_perc": self.pool.usage,
             "num_free_blocks": self.pool.num_free_blocks,
         }
+
+
+def _written_block_ids(sched: SchedulerOutput, block_size: int) -> set[int]:
+    """The blocks a step writes KV into: those holding positions ``start_pos ..`` of each request."""
+    out: set[int] = set()
+    for r in sched.requests:
+        first, last = r.start_pos // block_size, (r.start_pos + r.num_tokens - 1) // block_size
+        out.update(r.block_ids[first : last + 1])
+    return out
 
 
 class _IncrementalText:

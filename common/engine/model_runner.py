@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from baton.common.engine.request import Request
-from baton.common.engine.sampler import sample
+from baton.common.engine.sampler import SampleResult, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
 from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
@@ -187,21 +187,45 @@ class ModelRunner:
         sched: SchedulerOutput,
         requests: Mapping[str, Request],
         generators: Mapping[str, torch.Generator],
-    ) -> dict[str, SampledToken]:
+    ) -> RunnerOutput:
+        """Run the step's forward pass and sample. An exception here fails the step's requests
+        (``LLMEngine.step``); a row whose numbers are not finite fails only its own request."""
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not inputs.sample_ids:
-            return {}
+            return RunnerOutput({})
         rows = hidden[inputs.logits_indices]
         params = [requests[rid].sampling_params for rid in inputs.sample_ids]
-        logprobs: list[float] | None = None
         if all(p.greedy and p.logprobs is None for p in params):
-            tokens = self.model.greedy_tokens(rows).tolist()
+            # No fp32 logits here: the hidden rows are checked instead ([S, hidden], ~1 us). Finite
+            # hidden states and finite weights give finite logits.
+            result = SampleResult(self.model.greedy_tokens(rows).tolist(), bad_rows=_non_finite_rows(rows))
         else:
             logits = self.model.compute_logits(rows)
             gens = [generators.get(rid) for rid in inputs.sample_ids]
-            tokens, logprobs = sample(logits.cpu(), params, gens)
-        return {
-            rid: SampledToken(tok, None if logprobs is None else logprobs[i])
-            for i, (rid, tok) in enumerate(zip(inputs.sample_ids, tokens))
-        }
+            result = sample(logits.cpu(), params, gens)
+        return _runner_output(inputs.sample_ids, result)
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced: a token for each request that sampled, and the ones that failed."""
+
+    sampled: dict[str, SampledToken]
+    failed: tuple[str, ...] = ()
+    """Requests whose logits (or hidden state) were not finite: no token; the engine fails them."""
+
+
+def _non_finite_rows(rows: torch.Tensor) -> tuple[int, ...]:
+    finite = torch.isfinite(rows).all(dim=-1)
+    return () if bool(finite.all()) else tuple(torch.nonzero(~finite).view(-1).tolist())
+
+
+def _runner_output(sample_ids: tuple[str, ...], result: SampleResult) -> RunnerOutput:
+    lps, tops, bad = result.logprobs, result.top_logprobs, set(result.bad_rows)
+    sampled = {
+        rid: SampledToken(tok, None if lps is None else lps[i], None if tops is None else tops[i])
+        for i, (rid, tok) in enumerate(zip(sample_ids, result.token_ids))
+        if i not in bad
+    }
+    return RunnerOutput(sampled, tuple(sample_ids[i] for i in result.bad_rows))

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from baton.common.engine.hashing import BlockHash
+from baton.common.engine.outputs import NO_TOP_LOGPROBS, TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
 
 
@@ -20,10 +21,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    """The engine failed the request (its step raised, or its logits were not finite)."""
 
     @property
     def finished(self) -> bool:
-        return self in (self.FINISHED_STOPPED, self.FINISHED_LENGTH, self.FINISHED_ABORTED)
+        return self in (
+            self.FINISHED_STOPPED,
+            self.FINISHED_LENGTH,
+            self.FINISHED_ABORTED,
+            self.FINISHED_ERROR,
+        )
 
     @property
     def finish_reason(self) -> str | None:
@@ -45,6 +53,10 @@ class Request:
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """One entry per output token when ``sampling_params.logprobs`` > 0, else empty."""
+    error: str | None = None
+    """Why the engine failed the request (``FINISHED_ERROR``)."""
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Hashes of the request's full blocks computed so far (a growing chain)."""
@@ -68,8 +80,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_output(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output(
+        self, token_id: int, logprob: float | None = None, top_logprobs: TopLogprobs | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.sampling_params.logprobs:
+            # A placeholder where the alternatives are unknown keeps the list aligned with the tokens.
+            self.output_top_logprobs.append(top_logprobs or NO_TOP_LOGPROBS)

@@ -1,19 +1,42 @@
-"""Turns a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turns a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds; the
+chosen token's log-probability and the most likely alternatives when a request asks for them.
 
 Sampled rows draw by inverse CDF: the row's probabilities are summed in float64 and one uniform
 from the request's generator picks the first token whose cumulative mass reaches it. That is
 exact (a token is picked with its probability; a masked one, with none) and costs one random
 number per row: ``torch.multinomial`` took ~1.9 ms per 49,152-token row on the development
 machine, ~40% of a batch-6 decode step at temperature 1.
+
+Numerically safe: temperatures below ``SAMPLING_EPS`` are greedy (``SamplingParams.greedy``), the
+division by a temperature is done in fp32 (no fp32 logit divided by 1e-5 reaches inf), and a row
+whose logits hold a NaN or an inf is reported in ``bad_rows`` (its token is meaningless) while the
+other rows sample normally.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from baton.common.engine.outputs import TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives returned per token (vLLM's default ``max_logprobs``); more asked get this many."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    """One token per row (meaningless for ``bad_rows``)."""
+    logprobs: list[float] | None = None
+    """The chosen token's log-probability per row, when any row asks for logprobs."""
+    top_logprobs: list[TopLogprobs | None] | None = None
+    """Per row, its ``logprobs`` most likely tokens (None for rows asking none), when any asks > 0."""
+    bad_rows: tuple[int, ...] = ()
+    """Rows whose logits were not all finite: their requests fail, the other rows are unaffected."""
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -35,25 +58,53 @@ def _uniform(gen: torch.Generator | None) -> float:
     return 1.0 - torch.rand((), dtype=torch.float64, generator=gen).item()
 
 
+def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``logits`` with every non-finite row zeroed, and those rows. One vectorized pass over the
+    logits (~25 us for 6 x 49,152 fp32 on the development machine); the copy only when a row is bad."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [M]
+    if bool(finite.all()):
+        return logits, ()
+    bad = tuple(torch.nonzero(~finite).view(-1).tolist())
+    return logits.masked_fill(~finite.view(-1, 1), 0.0), bad
+
+
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], gens, rows: list[int]) -> torch.Tensor:
+    """The sampled tokens of ``rows`` (non-greedy), by inverse CDF over the filtered softmax."""
+    scaled = torch.stack(
+        [
+            _filter_top_k_top_p(logits[i] / params[i].temperature, params[i].top_k, params[i].top_p)
+            for i in rows
+        ]
+    )  # [R, V] fp32
+    cdf = scaled.softmax(-1).to(torch.float64).cumsum_(-1)
+    targets = torch.tensor([[_uniform(gens[i])] for i in rows], dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets).view(-1)
+
+
+def _top(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs | None] | None:
+    """Each row's ``logprobs`` most likely tokens, from one top-k over the batch at the largest k
+    asked (None, and no top-k at all, when no row asks for alternatives)."""
+    ks = [min(p.logprobs or 0, MAX_TOP_LOGPROBS) for p in params]
+    k = min(max(ks), logprobs.shape[-1])
+    if k <= 0:
+        return None
+    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return [TopLogprobs(tuple(ids[i][:n]), tuple(values[i][:n])) if n else None for i, n in enumerate(ks)]
+
+
 def sample(
-    logits: torch.Tensor,  # [M, V] fp32
+    logits: torch.Tensor,  # [M, V]
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> tuple[list[int], list[float] | None]:
-    """One token per row, and the model's log-probability of it when any row asks for it."""
+) -> SampleResult:
+    """One token per row, and the model's log-probabilities when any row asks for them."""
+    logits, bad = _finite_rows(logits.float())
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        scaled = torch.stack(
-            [
-                _filter_top_k_top_p(logits[i] / params[i].temperature, params[i].top_k, params[i].top_p)
-                for i in rows
-            ]
-        )  # [R, V]
-        cdf = scaled.softmax(-1).to(torch.float64).cumsum_(-1)
-        targets = torch.tensor([[_uniform(generators[i])] for i in rows], dtype=torch.float64) * cdf[:, -1:]
-        tokens[rows] = torch.searchsorted(cdf, targets).view(-1)
-    logprobs = None
-    if any(p.logprobs is not None for p in params):
-        logprobs = logits.log_softmax(-1).gather(1, tokens.view(-1, 1)).view(-1).tolist()
-    return tokens.tolist(), logprobs
+        tokens[rows] = _draw(logits, params, generators, rows)
+    if all(p.logprobs is None for p in params):
+        return SampleResult(tokens.tolist(), bad_rows=bad)
+    logprobs = logits.log_softmax(-1)  # [M, V], before temperature (vLLM's raw logprobs)
+    chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+    return SampleResult(tokens.tolist(), chosen, _top(logprobs, params), bad)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SAMPLING_EPS = 1e-5
+"""vLLM's ``_SAMPLING_EPS``: the smallest temperature that is sampled rather than greedy."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,7 +15,7 @@ class SamplingParams:
     n: int = 1
     """Completions per prompt."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below ``SAMPLING_EPS``) means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = 0
@@ -66,4 +69,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``SAMPLING_EPS`` are greedy (vLLM's rule): dividing logits by a tiny
+        temperature would overflow to inf, and the argmax is what such a temperature means."""
+        return self.temperature < SAMPLING_EPS

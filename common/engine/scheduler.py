@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from baton.common.engine.kv_cache_manager import KVCacheManager
+from baton.common.engine.outputs import TopLogprobs
 from baton.common.engine.request import Request, RequestStatus
 
 
@@ -67,6 +68,8 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
+    """The most likely alternatives, when the request asks for ``logprobs`` > 0."""
 
 
 class Scheduler:
@@ -149,7 +152,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         if token is not None:
-            req.append_output(token.token_id, token.logprob)
+            req.append_output(token.token_id, token.logprob, token.top_logprobs)
             reason = self._check_stop(req)
             if reason is not None:
                 self.finish_requests([req.request_id], reason)
@@ -258,7 +261,7 @@ class Scheduler:
             req = self.requests.get(sched.request_id)
             if tok is None or req is None:
                 continue
-            req.append_output(tok.token_id, tok.logprob)
+            req.append_output(tok.token_id, tok.logprob, tok.top_logprobs)
             progressed.append(req)
             reason = self._check_stop(req)
             if reason == RequestStatus.FINISHED_STOPPED:

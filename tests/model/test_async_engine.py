@@ -7,20 +7,29 @@ import asyncio
 import pytest
 
 from baton.common.engine.async_engine import AsyncEngine
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.llm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+def _own_engine(llm) -> LLMEngine:
+    """An engine of its own over the session's weights: the offline reference (``llm``, stepped on
+    the test's thread) and the engine thread never step the same engine."""
+    src = llm.engine
+    return LLMEngine(src.config, src.model, src.tokenizer, src.eos_token_ids)
+
+
 @pytest.fixture
 def async_engine(llm_fp32):
-    engine = AsyncEngine(llm_fp32.engine)
+    llm_engine = _own_engine(llm_fp32)
+    engine = AsyncEngine(llm_engine)
     engine.start()
     yield engine
     engine.stop()
     assert not engine.is_running
-    assert not llm_fp32.engine.has_unfinished_requests()
-    llm_fp32.engine.pool.check_integrity()
+    assert not llm_engine.has_unfinished_requests()
+    llm_engine.pool.check_integrity()
 
 
 async def _collect(engine, rid, ids, params):
@@ -57,8 +66,8 @@ def test_streamed_text_never_shows_a_stop_string(async_engine, llm_fp32):
     assert text == llm_fp32.generate([prompt], params)[0].outputs[0].text
 
 
-def test_leaving_a_stream_early_aborts_and_frees_blocks(async_engine, llm_fp32):
-    engine = llm_fp32.engine
+def test_leaving_a_stream_early_aborts_and_frees_blocks(async_engine):
+    engine = async_engine.engine
     free = engine.pool.num_free_blocks
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
@@ -114,13 +123,14 @@ def test_a_factory_builds_the_engine_on_the_engine_thread(llm_fp32):
     import threading
 
     built_on = []
+    own = _own_engine(llm_fp32)
 
     def build():
         built_on.append(threading.get_ident())
-        return llm_fp32.engine
+        return own
 
     engine = AsyncEngine(build)
-    assert engine.start() is llm_fp32.engine
+    assert engine.start() is own
     try:
         assert built_on and built_on[0] != threading.get_ident()
         assert built_on[0] == engine._thread.ident

@@ -18,8 +18,7 @@ def _draw(params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
     logits = LOGITS.repeat(50, 1)  # 50 rows a call, as a batch would
     out = []
     for _ in range(n // 50):
-        tokens, _ = sample(logits, [params] * 50, [gen] * 50)
-        out += tokens
+        out += sample(logits, [params] * 50, [gen] * 50).token_ids
     return torch.bincount(torch.tensor(out), minlength=len(LOGITS)).double()
 
 
@@ -62,10 +61,68 @@ def test_seeds_reproduce_and_greedy_rows_stay_argmax():
     assert not torch.equal(a, _draw(SamplingParams(temperature=1.0), 1000, seed=8))
     logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
-    tokens, logprobs = sample(logits, params, [None, torch.Generator().manual_seed(0), None])
+    got = sample(logits, params, [None, torch.Generator().manual_seed(0), None])
+    tokens = got.token_ids
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
-    assert logprobs is None
+    assert got.logprobs is None and got.top_logprobs is None and got.bad_rows == ()
     params = [SamplingParams(temperature=1.0, logprobs=0)] * 3
-    tokens, logprobs = sample(logits, params, [torch.Generator().manual_seed(0)] * 3)
-    want = logits.log_softmax(-1)[torch.arange(3), torch.tensor(tokens)]
-    assert torch.allclose(torch.tensor(logprobs), want)
+    got = sample(logits, params, [torch.Generator().manual_seed(0)] * 3)
+    want = logits.log_softmax(-1)[torch.arange(3), torch.tensor(got.token_ids)]
+    assert torch.allclose(torch.tensor(got.logprobs), want)
+    assert got.top_logprobs is None  # logprobs=0: no alternatives, and no top-k computed
+
+
+def test_tiny_temperatures_are_greedy_and_never_nan():
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(2)) * 20
+    for t in (1e-30, 1e-10, 9.9e-6):
+        params = [SamplingParams(temperature=t, logprobs=0)] * 4
+        got = sample(logits, params, [torch.Generator().manual_seed(0)] * 4)
+        assert got.token_ids == logits.argmax(-1).tolist(), t
+        assert all(math.isfinite(lp) for lp in got.logprobs) and got.bad_rows == ()
+    # Just above the floor the row is sampled, in fp32, and the division stays finite: at 1e-5 the
+    # scaled logits are ~1e6 apart, so the argmax is drawn every time.
+    bf16 = logits.to(torch.bfloat16)
+    got = sample(bf16, [SamplingParams(temperature=1e-5)] * 4, [torch.Generator().manual_seed(0)] * 4)
+    assert got.token_ids == bf16.float().argmax(-1).tolist() and got.bad_rows == ()
+
+
+def test_a_non_finite_row_fails_alone_and_the_others_sample_as_without_it():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0, logprobs=2),
+    ]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(4)]  # noqa: E731
+    clean = sample(logits, params, gens())
+    bad = logits.clone()
+    bad[1, 17] = float("nan")
+    bad[2, 5] = float("inf")
+    got = sample(bad, params, gens())
+    assert got.bad_rows == (1, 2)
+    assert [got.token_ids[i] for i in (0, 3)] == [clean.token_ids[i] for i in (0, 3)]
+    assert [got.logprobs[i] for i in (0, 3)] == [clean.logprobs[i] for i in (0, 3)]
+    assert got.top_logprobs[3] == clean.top_logprobs[3]
+    assert all(math.isfinite(lp) for lp in got.logprobs)
+    assert sample(torch.full((2, 8), float("-inf")), params[:2], gens()[:2]).bad_rows == (0, 1)
+
+
+def test_top_logprobs_are_each_rows_k_most_likely_and_hold_the_chosen_token():
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=1.0, logprobs=None),
+        SamplingParams(temperature=1.0, top_k=3, logprobs=25),  # more than the cap: 20
+    ]
+    got = sample(logits, params, [torch.Generator().manual_seed(0)] * 3)
+    want = torch.topk(logits.double().log_softmax(-1), 20, dim=-1)
+    assert got.top_logprobs[1] is None
+    for row, k in ((0, 5), (2, 20)):
+        top = got.top_logprobs[row]
+        assert list(top.token_ids) == want.indices[row, :k].tolist()
+        assert torch.allclose(torch.tensor(top.logprobs, dtype=torch.float64), want.values[row, :k], atol=1e-5)
+        # The chosen token (top-3 sampling: within the top 20) is in the list, with its own logprob.
+        assert got.logprobs[row] == top.logprobs[top.token_ids.index(got.token_ids[row])]
+    assert got.token_ids[0] == got.top_logprobs[0].token_ids[0]
+    assert list(got.top_logprobs[0].logprobs) == sorted(got.top_logprobs[0].logprobs, reverse=True)
