@@ -190,13 +190,54 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     return _serve_forever(lambda: serve(config))
 
 
+def _front_door_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's front-door flags (``baton gateway`` and ``baton up``)."""
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY' on /v1/* and /workers (repeat for "
+        "several; BATON_API_KEY, comma-separated, adds more and stays out of ps)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        help="generation requests in flight at once (a stream until it ends); past it, HTTP 429",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 * 2**20, help="largest request body; past it, HTTP 413"
+    )
+
+
+def _front_door(a: argparse.Namespace) -> dict | None:
+    """The gateway's front-door settings from the flags and ``BATON_API_KEY`` (read here, once);
+    None, having said why, when one is unusable. Never prints a key."""
+    import os
+
+    env = [k.strip() for k in os.environ.get("BATON_API_KEY", "").split(",") if k.strip()]
+    keys = tuple(dict.fromkeys([*(a.api_key or []), *env]))
+    if any(not k or not k.isascii() or not k.isprintable() or " " in k or "," in k for k in keys):
+        print("error: an API key must be printable ASCII without spaces or commas", file=sys.stderr)
+        return None
+    if a.max_concurrent_requests < 1 or a.max_body_bytes < 1:
+        print("error: --max-concurrent-requests and --max-body-bytes must be at least 1", file=sys.stderr)
+        return None
+    return dict(
+        api_keys=keys, max_concurrent_requests=a.max_concurrent_requests, max_body_bytes=a.max_body_bytes
+    )
+
+
 def cmd_gateway(a: argparse.Namespace) -> int:
     from baton.services.gateway.app import GatewayConfig, serve
 
     if (code := _pin(a, torch_threads=False)) is not None:
         return code
+    if (front := _front_door(a)) is None:
+        return 2
     config = GatewayConfig(
-        host=a.host, port=a.port, model=a.model, redis_url=a.redis_url, block_size=a.block_size
+        **front, host=a.host, port=a.port, model=a.model, redis_url=a.redis_url, block_size=a.block_size
     )
     return _serve_forever(lambda: serve(config))
 
@@ -204,6 +245,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     from baton.services.up import UpConfig, run_cluster
 
+    if (front := _front_door(a)) is None:
+        return 2
     return run_cluster(
         UpConfig(
             prefill=a.prefill,
@@ -219,6 +262,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             log_dir=a.log_dir,
             colocated=a.colocated,
             cpus=a.cpus,
+            **front,
         )
     )
 
@@ -287,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workers first, e.g. '0|1' (default: as the layout decides)",
     )
     _engine_args(up, dtype="auto")
+    _front_door_args(up)
     up.set_defaults(func=cmd_up)
 
     dec = sub.add_parser("decode", help="one decode worker")
@@ -308,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--redis-url", required=True)
     gw.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
     gw.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 (default: all)")
+    _front_door_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
 
@@ -39,6 +39,13 @@ class UpConfig:
     cpus: str | None = None
     """Pin workers to cores: ``auto``, ``none`` or ``|``-separated cpu lists (prefill workers
     first); None: as the layout decides."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Keys the gateway asks clients for: given to it in its environment (``BATON_API_KEY``), not on
+    its command line, where ``ps`` would show them."""
+    max_concurrent_requests: int = 512
+    """The gateway's admission limit (``--max-concurrent-requests``)."""
+    max_body_bytes: int = 4 * 2**20
+    """The gateway's body limit (``--max-body-bytes``)."""
 
 
 def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
@@ -53,9 +60,17 @@ def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
     return sorted({c for cpus in pins[:num_prefill] for c in cpus})
 
 
-def wait_connected(base: str, num_prefill: int, num_decode: int, group: ProcessGroup, timeout: float) -> None:
+def wait_connected(
+    base: str,
+    num_prefill: int,
+    num_decode: int,
+    group: ProcessGroup,
+    timeout: float,
+    api_key: str | None = None,
+) -> None:
     """Wait until every worker is registered and every decode worker has connected to every
-    prefill worker (``/workers``), so that the first request pays no connection set-up."""
+    prefill worker (``/workers``, which needs ``api_key`` when the gateway has keys), so that the
+    first request pays no connection set-up."""
     import json
     import urllib.request
 
@@ -66,7 +81,9 @@ def wait_connected(base: str, num_prefill: int, num_decode: int, group: ProcessG
         if dead:
             raise RuntimeError(f"exited before the cluster was ready: {dead}")
         try:
-            with urllib.request.urlopen(f"{base}/workers", timeout=2) as r:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            request = urllib.request.Request(f"{base}/workers", headers=headers)
+            with urllib.request.urlopen(request, timeout=2) as r:
                 seen = json.load(r)["workers"]
         except (OSError, ValueError, KeyError):
             seen = []
@@ -195,11 +212,15 @@ def run_cluster(cfg: UpConfig) -> int:
             gateway += ["--model", cfg.model]
         if front:
             gateway += ["--cpus", format_cpu_list(front)]
-        group.spawn("gateway", gateway, log_path=log("gateway"))
+        gateway += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
+        gateway += ["--max-body-bytes", str(cfg.max_body_bytes)]
+        keys = {"BATON_API_KEY": ",".join(cfg.api_keys)} if cfg.api_keys else None
+        group.spawn("gateway", gateway, env=keys, log_path=log("gateway"))
         base = f"http://{cfg.host}:{cfg.port}"
         deadline = time.monotonic() + cfg.ready_timeout_s
         wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
-        wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic())
+        key = cfg.api_keys[0] if cfg.api_keys else None
+        wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic(), key)
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
         while True:
             dead = group.dead()

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -22,6 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from baton.services.gateway import openapi
+from baton.services.gateway.admission import Admission, AdmissionMiddleware
+from baton.services.gateway.auth import APIKeyMiddleware
+from baton.services.gateway.body import BodyLimitMiddleware, StrictJSONRoute
 from baton.services.gateway.dispatch import Dispatcher, SubRequest, fan_out
 from baton.services.gateway.errors import (
     APIError,
@@ -35,6 +39,7 @@ from baton.services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     check_prompt_ids,
+    check_text,
 )
 from baton.services.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, TokenText
 from baton.services.gateway.router import Router
@@ -45,9 +50,8 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 CLIENT_CLOSED_REQUEST = 499
 """The status logged for a client that left before its response (nginx's convention)."""
-_ENDPOINTS = frozenset(
-    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/workers"]
-)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ENDPOINTS = frozenset([*GENERATION_PATHS, "/v1/models", "/health", "/ready", "/metrics", "/workers"])
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,15 @@ class GatewayConfig:
     """Bound of the model's prefix index (the workers use the same)."""
     max_choices: int = 128
     """Most choices (prompts x ``n``) one request may ask for."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Keys clients send as ``Authorization: Bearer <key>`` on /v1/* and /workers; none: no check."""
+    max_concurrent_requests: int = 512
+    """Generation requests in flight at once (a stream until it ends); past it, 429. Twice one
+    decode worker's default batch (256 sequences): two full workers' worth, or one with as many
+    again queued; memory stays bounded by this x ``max_body_bytes`` of bodies."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; past it, 413. A 128k-token prompt is ~0.9 MB as token ids in JSON,
+    ~0.5 MB as English text, ~3 MB as fully escaped non-ASCII text."""
     log_level: str = "info"
     """uvicorn's log level."""
 
@@ -118,12 +131,16 @@ class Gateway:
             )
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        ids = await self._encode(text)
+        ids = await self._encode(text, "messages")
         check_prompt_ids(ids, "messages")
         return ids
 
-    async def _encode(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+    async def _encode(self, text: str, param: str = "prompt") -> list[int]:
+        check_text(text, param)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - the tokenizer is deterministic: this input is the cause
+            raise bad_request(f"the tokenizer rejected the {param}: {e}", param=param) from None
 
     async def respond(
         self,
@@ -214,38 +231,64 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="Baton gateway", lifespan=lifespan)
     app.state.gateway = gw
-    app.add_middleware(RequestIdMiddleware, metrics=gw.metrics)
+    app.router.route_class = StrictJSONRoute
+    _add_front_door(app, config, gw.metrics)
     _add_error_handlers(app)
     _add_generation_routes(app, gw)
     _add_service_routes(app, gw)
+    openapi.install(app, api_keys=bool(config.api_keys))
     return app
 
 
+def _add_front_door(app: FastAPI, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+    """What runs before a route, outermost first: the request id (so every answer carries one and
+    is counted), the API key, admission, the body limit. A request without a valid key takes no
+    slot, and one that is not admitted is not read."""
+    admission = Admission(config.max_concurrent_requests, on_change=metrics.admitted.set)
+    app.state.admission = admission
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, on_reject=metrics.rejection("body_too_large")
+    )
+    app.add_middleware(
+        AdmissionMiddleware,
+        admission=admission,
+        paths=GENERATION_PATHS,
+        on_reject=metrics.rejection("concurrency"),
+    )
+    if config.api_keys:
+        app.add_middleware(
+            APIKeyMiddleware, keys=config.api_keys, on_reject=metrics.rejection("unauthorized")
+        )
+    app.add_middleware(RequestIdMiddleware, metrics=metrics)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(request: Request, e: APIError) -> Response:
+        if e.status >= 500:  # not the client's doing: the operator needs to see it
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+        return e.response()
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return error(e)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return error(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error(validation_error(list(e.errors())))
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
+        return error(request, validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return error(APIError(e.status_code, str(e.detail), type=kind))
+        return error(request, APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+    async def unexpected(request: Request, e: Exception) -> Response:
         log.exception("unhandled error")
-        return error(APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+        return APIError(500, f"internal error: {type(e).__name__}", type="server_error").response()
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=openapi.GENERATION)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         gw.check_model(body.model)
@@ -266,7 +309,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         )
         return await gw.respond(request, builder, subs, arrival, body.stream, "prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=openapi.CHAT)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         gw.check_model(body.model)
@@ -291,20 +334,24 @@ def _add_service_routes(app: FastAPI, gw: Gateway) -> None:
     def model_card() -> dict:
         return {"id": gw.served_model, "object": "model", "created": gw.created, "owned_by": "baton"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=openapi.doc(openapi.ModelList, openapi.MODELS))
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get(
+        "/v1/models/{model:path}",
+        response_model=None,
+        responses=openapi.doc(openapi.ModelCard, openapi.MODEL),
+    )
     async def model(model: str) -> dict:
         gw.check_model(model)
         return model_card()
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=openapi.doc(openapi.Health, openapi.OPEN))
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=None, responses=openapi.doc(openapi.Readiness, openapi.READY))
     async def ready() -> JSONResponse:
         try:
             decode = await gw.router.list_workers("decode")
@@ -314,11 +361,11 @@ def _add_service_routes(app: FastAPI, gw: Gateway) -> None:
             return JSONResponse({"status": "not ready", "reason": "no decode worker"}, status_code=503)
         return JSONResponse({"status": "ready", "decode_workers": len(decode)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses=openapi.METRICS)
     async def metrics() -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/workers")
+    @app.get("/workers", response_model=None, responses=openapi.doc(openapi.WorkerList, openapi.WORKERS))
     async def workers() -> dict:
         try:
             found = await gw.router.list_workers()

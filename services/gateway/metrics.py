@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Summary
 
@@ -48,6 +49,19 @@ class GatewayMetrics:
             ["stage"],
             registry=self.registry,
         )
+        self.admitted = Gauge(
+            "baton:gateway_requests_admitted",
+            "Generation requests holding an admission slot (a stream holds one until it ends).",
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "baton:gateway_rejected_requests",
+            "Requests refused before any work, by why: over the concurrency limit (concurrency, a "
+            "429), a body over the size limit (body_too_large, a 413), no valid API key "
+            "(unauthorized, a 401).",
+            ["reason"],
+            registry=self.registry,
+        )
         self._lag_received = self.chunk_lag.labels(stage="received")
         self._lag_written = self.chunk_lag.labels(stage="written")
         self._model_name = model_name
@@ -59,6 +73,10 @@ class GatewayMetrics:
     def chunk_written(self, chunk) -> None:
         if chunk.published_unix_s:
             self._lag_written.observe(time.time() - chunk.published_unix_s)
+
+    def rejection(self, reason: str) -> Callable[[], None]:
+        """What counts one refusal for ``reason``."""
+        return self.rejected.labels(reason=reason).inc
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(model_name=self._model_name, finished_reason=reason or "unknown").inc()

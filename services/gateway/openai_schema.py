@@ -1,25 +1,56 @@
 """OpenAI request bodies (pydantic) and their translation into ``SamplingParams``.
 
 Fields the engine does not implement are ignored, as vLLM does; a value the engine rejects becomes a
-400 that names the parameter.
+400 that names the parameter. Every value is checked against what the next hop carries: integers
+that travel as int32 on the proto are bounded to it, floats are finite and fit a float32, stop
+strings are bounded in number and length.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import struct
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from baton.common.engine.sampling_params import SamplingParams
 from baton.services.gateway.errors import bad_request
 
 MAX_LOGPROBS = 20
 """Most ``logprobs`` / ``top_logprobs`` a request may ask for (vLLM's default ``max_logprobs``)."""
+MAX_STOP_STRINGS = 16
+"""Most stop strings per request. OpenAI allows 4 and vLLM any number; every string is matched
+against the output's tail at every step, so their number and length are what a step costs."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string, in characters."""
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 _INT64 = 2**63
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+# Unions are checked by hand (check_prompt_ids, _check_stop), where the message can say what is
+# wrong: pydantic reports a union's failure as its first member's ("Input should be a valid
+# string"). Their schemas say the same bounds, for clients and for schemathesis.
+PromptSchema = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1},
+        ]
+    }
+)
+StopSchema = WithJsonSchema(
+    {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
+)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity never parse (body.loads); 1e999 parses as inf, which this refuses.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -31,16 +62,16 @@ class _GenerationRequest(_Body):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: Annotated[str | list[str] | None, StopSchema] = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,13 +95,12 @@ class _GenerationRequest(_Body):
         max_tokens, max_name = self._max_tokens()
         if self.seed is not None and not -_INT64 <= self.seed < _INT64 - max(self.n, 1):
             raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
-        if self.stop_token_ids and any(not 0 <= t < 2**31 for t in self.stop_token_ids):
-            raise bad_request("stop_token_ids must be non-negative 32-bit integers", param="stop_token_ids")
+        _check_stop(self.stop)
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
+                temperature=_float32(1.0 if self.temperature is None else self.temperature),
+                top_p=_float32(1.0 if self.top_p is None else self.top_p),
                 top_k=0 if self.top_k is None else self.top_k,
                 seed=self.seed,
                 max_tokens=max_tokens,
@@ -85,6 +115,31 @@ class _GenerationRequest(_Body):
             raise bad_request(str(e), param=_param_of(str(e), max_name)) from None
 
 
+def _float32(value: float) -> float:
+    """``value`` as the proto's float32 carries it (the worker checks that value, not ours: a top_p
+    of 1e-50 is 0 there). The field bounds keep it finite."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _check_stop(stop: str | list[str] | None) -> None:
+    strings = [stop] if isinstance(stop, str) else (stop or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}", param="stop")
+    for s in strings:
+        if not 0 < len(s) <= MAX_STOP_CHARS:
+            raise bad_request(f"stop strings must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+        check_text(s, "stop")
+
+
+def check_text(text: str, param: str) -> None:
+    """Text that travels on the proto or into the tokenizer must be valid UTF-8: a lone surrogate
+    (JSON's "\\ud800") is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param} is not valid Unicode (a lone surrogate?)", param=param) from None
+
+
 def _param_of(message: str, max_tokens_name: str) -> str | None:
     """The parameter a ``SamplingParams`` error names (its messages start with it)."""
     word = message.split(" ", 1)[0]
@@ -97,14 +152,12 @@ def _param_of(message: str, max_tokens_name: str) -> str | None:
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], PromptSchema]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
     def _logprobs(self) -> int | None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         return self.logprobs
 
     def check_supported(self) -> None:
@@ -141,9 +194,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -154,8 +207,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -163,5 +214,5 @@ def check_prompt_ids(ids: list[int], param: str) -> None:
     """Empty prompts and ids that cannot travel as int32 stop here; the worker checks the rest."""
     if not ids:
         raise bad_request("prompt must not be empty", param=param)
-    if any(not 0 <= t < 2**31 for t in ids):
+    if any(not 0 <= t <= INT32_MAX for t in ids):
         raise bad_request("prompt token ids must be non-negative 32-bit integers", param=param)

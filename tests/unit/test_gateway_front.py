@@ -1,0 +1,130 @@
+"""The gateway's front door as pure logic: bearer tokens and key checks, the admission counter,
+strict JSON, union errors, and the CLI's front-door settings (flags and ``BATON_API_KEY``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.services.cli import _front_door, build_parser
+from baton.services.gateway.admission import Admission
+from baton.services.gateway.auth import KeyCheck, bearer_token, is_protected
+from baton.services.gateway.body import loads
+from baton.services.gateway.errors import APIError, validation_error
+
+
+@pytest.mark.parametrize(
+    "headers,token",
+    [
+        ([(b"authorization", b"Bearer abc")], b"abc"),
+        ([(b"authorization", b"bearer   abc ")], b"abc"),
+        ([(b"authorization", b"Basic abc")], None),
+        ([(b"authorization", b"Bearer")], None),
+        ([(b"authorization", b"Bearer ")], None),
+        ([(b"x-other", b"Bearer abc")], None),
+        ([], None),
+    ],
+)
+def test_bearer_token(headers, token):
+    assert bearer_token(headers) == token
+
+
+def test_key_check_knows_every_key_and_nothing_else():
+    check = KeyCheck(["k1", "k2"])
+    assert check.allows(b"k1") and check.allows(b"k2")
+    assert not check.allows(b"k3") and not check.allows(b"k") and not check.allows(b"k1k2")
+    assert not check.allows(None)
+    with pytest.raises(ValueError):
+        KeyCheck([])
+    with pytest.raises(ValueError):
+        KeyCheck(["ok", ""])
+
+
+def test_protected_paths():
+    assert all(is_protected(p) for p in ["/v1", "/v1/models", "/v1/chat/completions", "/workers"])
+    assert not any(is_protected(p) for p in ["/health", "/ready", "/metrics", "/openapi.json", "/v10"])
+
+
+def test_admission_counts_to_its_limit_and_back():
+    seen: list[int] = []
+    a = Admission(2, on_change=seen.append)
+    assert a.try_enter() and a.try_enter()
+    assert not a.try_enter()
+    a.leave()
+    assert a.try_enter()
+    a.leave()
+    a.leave()
+    assert a.in_flight == 0 and seen == [1, 2, 1, 2, 1, 0]
+    with pytest.raises(ValueError):
+        Admission(0)
+
+
+def test_429_and_503_say_when_to_retry():
+    assert APIError(429, "busy").headers == {"Retry-After": "1"}
+    assert APIError(503, "down", retry_after=5).headers == {"Retry-After": "5"}
+    assert APIError(400, "bad").headers == {}
+    body = json.loads(APIError(404, "no model 'x\ud800'").response().body)
+    assert body["error"]["message"] == "no model 'x\ud800'"  # escaped, so it encodes
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"a": NaN}', b'{"a": -Infinity}', b'{"a": "\\ud800"}', b"[" * 1000 + b"]" * 1000, b"{", b"\xff"]
+)
+def test_strict_json_refuses(raw):
+    with pytest.raises(json.JSONDecodeError):
+        loads(raw)
+
+
+def test_strict_json_reads_json():
+    assert loads(b'{"prompt": [1, 2], "s": "\\ud83d\\ude00", "t": 0.5}') == {
+        "prompt": [1, 2],
+        "s": "\U0001f600",
+        "t": 0.5,
+    }
+
+
+def test_a_union_failure_names_the_forms():
+    errors = [
+        {"type": "string_type", "loc": ("body", "prompt", "str"), "msg": "Input should be a valid string"},
+        {"type": "int_type", "loc": ("body", "prompt", "list[int]", 0), "msg": "..."},
+        {"type": "list_type", "loc": ("body", "prompt", "list[list[int]]", 0), "msg": "..."},
+    ]
+    e = validation_error(errors)
+    assert e.param == "prompt" and e.message.endswith("expected one of str, list[int], list[list[int]]")
+    single = validation_error(
+        [{"type": "x", "loc": ("body", "messages", 0, "role"), "msg": "Field required"}]
+    )
+    assert single.param == "messages" and single.message == "invalid value for 'messages': Field required"
+
+
+def _gateway_args(*extra: str):
+    return build_parser().parse_args(["gateway", "--redis-url", "redis://x", *extra])
+
+
+def test_front_door_from_flags_and_the_environment(monkeypatch):
+    monkeypatch.setenv("BATON_API_KEY", "env-1, env-2,,")
+    a = _gateway_args("--api-key", "flag-1", "--api-key", "env-1", "--max-concurrent-requests", "3")
+    assert _front_door(a) == {
+        "api_keys": ("flag-1", "env-1", "env-2"),
+        "max_concurrent_requests": 3,
+        "max_body_bytes": 4 * 2**20,
+    }
+    monkeypatch.delenv("BATON_API_KEY")
+    assert _front_door(_gateway_args())["api_keys"] == ()
+    up = build_parser().parse_args(["up", "--api-key", "k", "--max-body-bytes", "100"])
+    assert _front_door(up) == {"api_keys": ("k",), "max_concurrent_requests": 512, "max_body_bytes": 100}
+
+
+@pytest.mark.parametrize("flags", [["--api-key", "has,comma"], ["--api-key", "has space"], ["--api-key", ""]])
+def test_unusable_keys_are_refused_without_printing_them(flags, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    assert _front_door(_gateway_args(*flags)) is None
+    err = capsys.readouterr().err
+    assert "API key" in err and (not flags[1] or flags[1] not in err)
+
+
+def test_limits_below_one_are_refused(monkeypatch):
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    assert _front_door(_gateway_args("--max-concurrent-requests", "0")) is None
+    assert _front_door(_gateway_args("--max-body-bytes", "0")) is None
