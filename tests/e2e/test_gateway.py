@@ -264,3 +264,4 @@ def test_no_decode_worker_is_503(redis_url):
         assert http.get("/ready").status_code == 503
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_decode_worker"
+        assert r.headers["retry-after"] == "1"
