@@ -30,6 +30,18 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="most requests waiting to run; past it a worker refuses new ones (HTTP 429)",
+    )
+    p.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=262_144,
+        help="most tokens the waiting requests may still have to compute; past it new ones are refused",
+    )
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +79,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs,
         block_size=a.block_size,
         enable_prefix_caching=not a.no_prefix_caching,
+        max_waiting_requests=a.max_waiting_requests,
+        max_waiting_tokens=a.max_waiting_tokens,
     )
 
 
@@ -278,6 +292,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         str(a.max_num_seqs),
     ]
     flags += ["--block-size", str(a.block_size)]
+    flags += ["--max-waiting-requests", str(a.max_waiting_requests)]
+    flags += ["--max-waiting-tokens", str(a.max_waiting_tokens)]
     if a.model:
         flags += ["--model", a.model]
     if a.no_prefix_caching:

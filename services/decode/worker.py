@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from baton.common.api.convert import params_from_proto
-from baton.common.engine.async_engine import AsyncEngine
+from baton.common.api.convert import params_from_proto, top_logprobs_from_proto, top_logprobs_to_proto
+from baton.common.engine.async_engine import AsyncEngine, EngineFullError, RequestFailedError
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SampledToken
@@ -118,8 +118,12 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
                     chunk.kv_transfer_bytes = done.bytes_sent
                     chunk.kv_bytes_per_token = self.remote.bytes_per_token
                 yield chunk
+        except EngineFullError as e:  # the waiting queue is full: the gateway answers 429
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # refused at admission, e.g. a request id already in use
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailedError as e:  # the engine failed this request only: not the client's fault
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             if self.remote is not None:
                 self.remote.results.pop(rid, None)
@@ -213,7 +217,8 @@ class RemotePrefill:
         await self._record(rid, dst, "landed")
         self.results[rid] = resp
         logprob = resp.first_logprob if params.logprobs is not None else None
-        return SampledToken(resp.first_token_id, logprob)
+        top = top_logprobs_from_proto(resp.first_top_logprobs) if params.logprobs else None
+        return SampledToken(resp.first_token_id, logprob, top)
 
     async def connect(self, address: str) -> None:
         """Have the prefill worker at ``address`` connect its KV transport to this worker's
@@ -261,6 +266,7 @@ def _chunk(d) -> baton_pb2.GenerateChunk:
         num_prompt_tokens=d.num_prompt_tokens,
         num_cached_tokens=d.num_cached_tokens,
         published_unix_s=d.published_unix_s,
+        top_logprobs=[top_logprobs_to_proto(t) for t in d.top_logprobs or ()],
     )
 
 

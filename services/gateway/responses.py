@@ -1,7 +1,12 @@
 """Worker chunks -> OpenAI responses: ``text_completion`` and ``chat.completion`` bodies, their
 streamed ``chunk`` forms, ``usage`` and ``logprobs``.
 
-Only the chosen token's log-probability travels from the engine; ``top_logprobs`` come back empty.
+The engine sends each chosen token's log-probability and, when ``logprobs`` (completions) or
+``top_logprobs`` (chat) is above 0, that many most likely tokens at each position (``TopLogprobs``,
+most likely first). Completions' ``top_logprobs`` are dicts {token text: logprob} of those and of
+the chosen token (vLLM's rule: up to ``logprobs`` + 1 entries; with ``logprobs=0``, the chosen one
+alone); chat's are lists of exactly ``top_logprobs`` {token, logprob, bytes}, as OpenAI's. A -inf
+log-probability is sent as -9999.0, as vLLM and OpenAI do: JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from baton.protos import baton_pb2
 from baton.services.gateway.dispatch import SubRequest
 
 Json = dict[str, Any]
+
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
 
 
 def sse(obj: Json | str) -> str:
@@ -48,6 +59,8 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[baton_pb2.TopLogprobs] = field(default_factory=list)
+    """One per token when the request asks for alternatives, else empty."""
     finish_reason: str | None = None
     stop_reason: str | None = None
     num_cached_tokens: int = 0
@@ -60,6 +73,7 @@ class ChoiceState:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.top_logprobs.extend(chunk.top_logprobs)
         self.num_cached_tokens = chunk.num_cached_tokens
         if chunk.kv_transfer_bytes:
             self.kv_transfer_bytes = chunk.kv_transfer_bytes
@@ -168,7 +182,11 @@ class CompletionBuilder(ResponseBuilder):
     object_name = chunk_object = "text_completion"
 
     def _logprobs(
-        self, choice: ChoiceState, token_ids: Sequence[int], logprobs: Sequence[float]
+        self,
+        choice: ChoiceState,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        tops: Sequence[baton_pb2.TopLogprobs],
     ) -> Json | None:
         if not self.want_logprobs:
             return None
@@ -179,16 +197,27 @@ class CompletionBuilder(ResponseBuilder):
             choice.text_offset += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": list(logprobs),
-            "top_logprobs": None,
+            "token_logprobs": [_lp(lp) for lp in logprobs],
+            "top_logprobs": [
+                self._top(tok, lp, tops[i] if i < len(tops) else None)
+                for i, (tok, lp) in enumerate(zip(tokens, logprobs))
+            ],
             "text_offset": offsets,
         }
+
+    def _top(self, token: str, logprob: float, top: baton_pb2.TopLogprobs | None) -> dict[str, float]:
+        """The chosen token first, then the most likely ones (vLLM's order)."""
+        out = {token: _lp(logprob)}
+        if top is not None:
+            for t, lp in zip(top.token_ids, top.logprobs):
+                out.setdefault(self.token_text(t), _lp(lp))
+        return out
 
     def _final_choice(self, choice: ChoiceState) -> Json:
         body = {
             "index": choice.index,
             "text": "".join(choice.text),
-            "logprobs": self._logprobs(choice, choice.token_ids, choice.logprobs),
+            "logprobs": self._logprobs(choice, choice.token_ids, choice.logprobs, choice.top_logprobs),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
@@ -201,7 +230,7 @@ class CompletionBuilder(ResponseBuilder):
         body = {
             "index": choice.index,
             "text": chunk.text,
-            "logprobs": self._logprobs(choice, chunk.token_ids, chunk.logprobs),
+            "logprobs": self._logprobs(choice, chunk.token_ids, chunk.logprobs, chunk.top_logprobs),
             "finish_reason": chunk.finish_reason or None,
             "stop_reason": (chunk.stop_reason or None) if chunk.finish_reason else None,
         }
@@ -214,20 +243,28 @@ class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> Json | None:
+    def _logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[baton_pb2.TopLogprobs]
+    ) -> Json | None:
         if not self.want_logprobs:
             return None
         content = []
-        for t, lp in zip(token_ids, logprobs):
-            text = self.token_text(t)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+            entry = self._entry(t, lp)
+            top = tops[i] if i < len(tops) else None
+            entry["top_logprobs"] = [] if top is None else list(map(self._entry, top.token_ids, top.logprobs))
+            content.append(entry)
         return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> Json:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
 
     def _final_choice(self, choice: ChoiceState) -> Json:
         body = {
             "index": choice.index,
             "message": {"role": "assistant", "content": "".join(choice.text)},
-            "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
@@ -256,7 +293,7 @@ class ChatBuilder(ResponseBuilder):
         body = {
             "index": choice.index,
             "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs),
+            "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs),
             "finish_reason": chunk.finish_reason or None,
         }
         return self.chunk([self._with_ids(body, choice.index, chunk.token_ids)])

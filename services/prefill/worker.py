@@ -25,8 +25,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from baton.common.api.convert import params_from_proto
-from baton.common.engine.async_engine import AsyncEngine
+from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
+from baton.common.engine.async_engine import AsyncEngine, EngineFullError
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SchedulerOutput
@@ -172,6 +172,8 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
                     break
         except ValueError as e:  # refused at admission
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineFullError as e:  # the waiting queue is full: the decode worker prefills itself
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
@@ -190,6 +192,7 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             request_id=rid,
             first_token_id=first.token_ids[0],
             first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+            first_top_logprobs=top_logprobs_to_proto(first.top_logprobs[0]) if first.top_logprobs else None,
             num_computed_tokens=len(ids) - cached,
             num_cached_tokens=cached,
             bytes_sent=job.bytes_sent,

@@ -116,6 +116,28 @@ def test_prompt_kv_crosses_over_and_decode_computes_none_of_it(pair, llm_fp32):
     assert len(loc.block_ids) == 13
 
 
+def test_top_logprobs_come_with_the_remotely_sampled_first_token(pair, llm_fp32):
+    """The first token's alternatives travel in the PrefillResponse; every token's match offline."""
+    decode, prefill = pair
+    ids = list(range(5000, 5100))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    remote_before = decode.engine.engine.num_remote_prefills_total
+    with grpc.insecure_channel(f"127.0.0.1:{decode.grpc_port}") as channel:
+        req = baton_pb2.GenerateRequest(
+            request_id="remote-top",
+            prompt_token_ids=ids,
+            params=params_to_proto(params),
+            prefill_address=f"127.0.0.1:{prefill.grpc_port}",
+        )
+        chunks = list(baton_pb2_grpc.DecodeStub(channel).Generate(req, timeout=120))
+    assert decode.engine.engine.num_remote_prefills_total == remote_before + 1
+    ref = llm_fp32.generate([ids], params)[0].outputs[0]
+    tops = [t for c in chunks for t in c.top_logprobs]
+    assert [list(t.token_ids) for t in tops] == [list(t.token_ids) for t in ref.top_logprobs]
+    for got, want in zip(tops, ref.top_logprobs):
+        assert list(got.logprobs) == pytest.approx(list(want.logprobs), abs=1e-3)
+
+
 def test_short_prompt_is_prefilled_locally(pair, llm_fp32):
     decode, prefill = pair
     ids = list(range(3000, 3020))  # below the 32-token threshold

@@ -199,6 +199,41 @@ def test_logprobs(client, llm_fp32, ref_completion):
     assert all(c.logprob <= 0 for c in content)
 
 
+def test_top_logprobs_in_both_shapes_streamed_and_whole(client, llm_fp32):
+    """Completions: per token a {text: logprob} dict of the top ``logprobs`` and the chosen token
+    (vLLM's rule); chat: per token a list of exactly ``top_logprobs`` {token, logprob, bytes}.
+    Both as the offline engine computes them, and the same streamed as whole."""
+    k, decode = 3, llm_fp32.get_tokenizer().decode
+    ref = llm_fp32.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N, logprobs=k))[0].outputs[0]
+    want = [{decode([t]): lp for t, lp in zip(top.token_ids, top.logprobs)} for top in ref.top_logprobs]
+    args = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=N, logprobs=k)
+    lp = client.completions.create(**args).choices[0].logprobs
+    assert len(lp.top_logprobs) == N
+    for got, exp, tok, tok_lp in zip(lp.top_logprobs, want, lp.tokens, lp.token_logprobs):
+        assert got[tok] == tok_lp and set(got) == set(exp) | {tok}
+        assert [got[t] for t in exp] == pytest.approx(list(exp.values()), abs=1e-3)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True) if c.choices]
+    assert [d for c in chunks if c for d in c.top_logprobs] == lp.top_logprobs
+    zero = client.completions.create(**{**args, "logprobs": 0}).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
+
+    chat_ref = llm_fp32.chat(CHAT, SamplingParams(temperature=0, max_tokens=N, logprobs=k))[0].outputs[0]
+    args = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=N, logprobs=True, top_logprobs=k)
+    content = client.chat.completions.create(**args).choices[0].logprobs.content
+    assert len(content) == len(chat_ref.token_ids)
+    for c, top in zip(content, chat_ref.top_logprobs):
+        assert [t.token for t in c.top_logprobs] == [decode([i]) for i in top.token_ids]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(list(top.logprobs), abs=1e-3)
+        assert all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**args, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
 def test_service_endpoints(client, base_url, worker):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
