@@ -95,6 +95,18 @@ def _admitted(http: httpx.Client) -> float:
     return _metric(http, "baton:gateway_requests_admitted")
 
 
+def _report(what: str, seconds: list[float]) -> None:
+    """Measured latencies, for docs/reliability.md (``pytest -s`` shows them)."""
+    ms = sorted(1000 * t for t in seconds)
+    print(f"\nfront door: {what}: median {ms[len(ms) // 2]:.1f} ms, max {ms[-1]:.1f} ms over {len(ms)}")
+
+
+def _timed(call):
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
 def _completion(max_tokens: int = 4, **extra) -> dict:
     return {"prompt": "Hello there", "max_tokens": max_tokens, "temperature": 0, **extra}
 
@@ -129,6 +141,11 @@ def test_protected_paths_need_a_valid_key(http, method, path, body):
     for key in (KEY, OTHER_KEY):
         r = http.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == (404 if path == "/v1/models/anything" else 200), r.text
+
+
+def test_a_401_is_fast(http):
+    times = [_timed(lambda: http.get("/v1/models"))[1] for _ in range(20)]
+    _report("401 without a key", times)
 
 
 def test_probes_and_docs_stay_open(http):
@@ -205,11 +222,9 @@ def test_burst_past_the_cap_is_429_at_once_and_slots_come_back(http, base_url):
         assert _admitted(http) == CAP
 
         def burst(_) -> tuple[httpx.Response, float]:
-            start = time.monotonic()
-            r = httpx.post(
-                f"{base_url}/v1/completions", json=_completion(8, stream=True), headers=AUTH, timeout=30
+            return _timed(
+                lambda: http.post("/v1/completions", json=_completion(8, stream=True), headers=AUTH)
             )
-            return r, time.monotonic() - start
 
         with ThreadPoolExecutor(4) as pool:
             refused = list(pool.map(burst, range(4)))
@@ -219,13 +234,16 @@ def test_burst_past_the_cap_is_429_at_once_and_slots_come_back(http, base_url):
             assert r.headers["retry-after"] == "1"
             assert took < 5.0, f"a refusal took {took:.1f} s: it waited instead of failing fast"
         assert _admitted(http) == CAP, "a held stream ended before the burst was refused"
+        _report("429 past the cap", [took for _, took in refused])
     finally:
         for stream in held:
             stream.finish(120)
+    ended = time.perf_counter()
     for stream in held:
         assert stream.events[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(e["choices"][0]["text"]) > 0 for e in stream.events) > 0
-    wait_for(lambda: _admitted(http) == 0, 10, "the held streams' slots to come back")
+    wait_for(lambda: _admitted(http) == 0, 10, "the held streams' slots to come back", every_s=0.005)
+    _report("slots back after the held streams' last event was read", [time.perf_counter() - ended])
     rejected = _metric(http, 'baton:gateway_rejected_requests_total{reason="concurrency"}')
     assert rejected - rejected_before == 4
     with ThreadPoolExecutor(CAP) as pool:
@@ -296,8 +314,9 @@ def test_bodies_over_the_limit_are_413(http):
     chunked = http.post("/v1/completions", content=chunks(), headers=AUTH)
     _assert_error(chunked, 413, code="request_too_large")
     # A client still sending a body far past the limit reads the 413, not a reset connection.
-    huge = http.post("/v1/completions", content=b" " * (8 * 2**20), headers=AUTH)
+    huge, took = _timed(lambda: http.post("/v1/completions", content=b" " * (8 * 2**20), headers=AUTH))
     _assert_error(huge, 413, code="request_too_large")
+    _report("413 for an 8 MiB body (drained, then answered)", [took])
     # Just under the limit: read and parsed (a prompt of token ids, answered by the worker).
     ids = [100] * ((BODY_LIMIT - 100) // 4)
     body = json.dumps({"prompt": ids, "max_tokens": 1}, separators=(",", ":")).encode()
@@ -346,7 +365,9 @@ BAD = [
 
 @pytest.mark.parametrize("param,path,body", BAD, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD)])
 def test_bad_values_are_400_naming_the_param(http, param, path, body):
-    error = _assert_error(http.post(path, json=body, headers=AUTH), 400, param=param)
+    r, took = _timed(lambda: http.post(path, json=body, headers=AUTH))
+    error = _assert_error(r, 400, param=param)
+    assert took < 10.0, f"a 400 took {took:.1f} s"
     assert error["type"] == "invalid_request_error"
 
 
