@@ -53,6 +53,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default="")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     p.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 or 0-1 (default: all)")
+    _drain_args(p)
     _engine_args(p, dtype="auto")
 
 
@@ -149,22 +150,64 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_forever(coro_factory) -> int:
-    """Run an asyncio service until SIGINT or SIGTERM, then let it clean up."""
+def _drain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish before ending the rest (a second "
+        "SIGTERM exits at once)",
+    )
+
+
+def _serve_forever(serve_until) -> int:
+    """Run a worker, ``serve_until(stop)``, to its exit code. The first SIGINT or SIGTERM sets
+    ``stop`` (the worker drains); a second exits at once. A non-zero code (a dead engine) leaves
+    through ``os._exit`` once the output is flushed: no thread stuck on the dead engine or on an
+    unreachable Redis may hold up the supervisor's restart."""
+    import asyncio
+    import logging
+    import os
+    import signal
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+
+        def on_signal(signum: int) -> None:
+            if stop.is_set():
+                os._exit(128 + signum)
+            stop.set()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        return await serve_until(stop)
+
+    code = asyncio.run(main())
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
+
+
+def _serve_gateway(config) -> int:
+    """Run the gateway with uvicorn's own SIGINT/SIGTERM handling: it stops accepting, lets open
+    requests and streams finish within ``config.drain_timeout_s``, shuts the app down and exits 0.
+    (Cancelling its task instead cut open streams and printed the lifespan's CancelledError.)"""
     import asyncio
     import signal
 
-    async def main() -> None:
-        task = asyncio.ensure_future(coro_factory())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+    from baton.services.gateway.app import make_server
 
-    asyncio.run(main())
+    server = make_server(config)
+    # Until uvicorn takes the signals over, and when it re-raises the one it handled, they end up
+    # here: a signal during start-up stops it cleanly, and the re-raise exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    asyncio.run(server.serve())
     return 0
 
 
@@ -192,7 +235,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
     config = DecodeWorkerConfig(
         **_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold, colocated=a.colocated
     )
-    return _serve_forever(lambda: serve(config))
+    return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
@@ -201,7 +244,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     if (code := _pin(a)) is not None:
         return code
     config = PrefillWorkerConfig(**_worker_kwargs(a))
-    return _serve_forever(lambda: serve(config))
+    return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
 
 def _front_door_args(p: argparse.ArgumentParser) -> None:
@@ -244,16 +287,22 @@ def _front_door(a: argparse.Namespace) -> dict | None:
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
-    from baton.services.gateway.app import GatewayConfig, serve
+    from baton.services.gateway.app import GatewayConfig
 
     if (code := _pin(a, torch_threads=False)) is not None:
         return code
     if (front := _front_door(a)) is None:
         return 2
     config = GatewayConfig(
-        **front, host=a.host, port=a.port, model=a.model, redis_url=a.redis_url, block_size=a.block_size
+        **front,
+        host=a.host,
+        port=a.port,
+        model=a.model,
+        redis_url=a.redis_url,
+        block_size=a.block_size,
+        drain_timeout_s=a.drain_timeout,
     )
-    return _serve_forever(lambda: serve(config))
+    return _serve_gateway(config)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -276,6 +325,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             log_dir=a.log_dir,
             colocated=a.colocated,
             cpus=a.cpus,
+            drain_timeout_s=a.drain_timeout,
+            metrics_port=a.metrics_port,
             **front,
         )
     )
@@ -336,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     up.add_argument("--log-dir", default=None, help="write each service's output here (default: inherit)")
     up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="port of the supervisor's /metrics (baton:service_restarts_total; default: a free one, printed)",
+    )
+    _drain_args(up)
+    up.add_argument(
         "--colocated",
         action="store_true",
         help="decode workers prefill too: no prefill workers, no KV transfer",
@@ -369,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--redis-url", required=True)
     gw.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
     gw.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 (default: all)")
+    _drain_args(gw)
     _front_door_args(gw)
     gw.set_defaults(func=cmd_gateway)
 

@@ -1,16 +1,26 @@
 """``baton up``: Redis (embedded unless ``REDIS_URL``), prefill workers, decode workers and the
-gateway as separate processes; waits until the gateway is ready, prints its URL, and on Ctrl-C or SIGTERM stops them
-all."""
+gateway as separate processes; waits until the gateway is ready and prints its URL. Then it
+supervises them: a service that exits (any code, or killed) is restarted with backoff
+(``procs.Backoff``) while the others keep serving, each restart logged with the exit code and
+counted in ``baton:service_restarts_total{service=...}`` on its own ``/metrics`` (printed at start).
+On Ctrl-C or SIGTERM it stops them all: SIGTERM to each service (workers drain, the gateway
+finishes its open streams), SIGKILL for any still running after the drain timeout and a margin,
+then Redis; a second Ctrl-C kills them at once."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 
-from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
+from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
+
+STOP_MARGIN_S = 10.0
+"""Beyond the drain timeout, how long a stopping ``baton up`` waits for a service before SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,10 @@ class UpConfig:
     """The gateway's admission limit (``--max-concurrent-requests``)."""
     max_body_bytes: int = 4 * 2**20
     """The gateway's body limit (``--max-body-bytes``)."""
+    drain_timeout_s: float = 30.0
+    """How long each service gets, on stop, to finish what it has in flight (``--drain-timeout``)."""
+    metrics_port: int = 0
+    """Port of the supervisor's own ``/metrics`` (restarts); 0 picks a free one."""
 
 
 def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
@@ -110,6 +124,71 @@ def _raise_stop(signum, frame):
     raise _Stop(signum)
 
 
+def _kill_now(group: ProcessGroup):
+    """The handler of a second Ctrl-C/SIGTERM, while stopping: every service is killed at once."""
+
+    def kill(signum, frame) -> None:
+        print("baton up: second signal: killing every service now", file=sys.stderr, flush=True)
+        for _, p in group.procs:
+            if p.poll() is None:
+                p.kill()
+
+    return kill
+
+
+def start_redis(
+    group: Supervisor, host: str, log_path: str | None, cpus: list[int], timeout_s: float = 10.0
+) -> tuple[str, str]:
+    """The embedded ``redis-server`` as the supervised child ``redis``, so that one that dies is
+    restarted on the same port (empty: workers register again at their next heartbeat). Returns
+    its URL and its work folder, which the caller removes."""
+    import tempfile
+
+    from baton.common.index.server import find_redis_server, free_port, ping, server_args
+
+    binary = find_redis_server()
+    workdir = tempfile.mkdtemp(prefix="baton-redis-")
+    for _ in range(3):  # another process may take the free port before Redis binds it
+        port = free_port(host)
+        group.spawn("redis", server_args(binary, host, port, workdir), log_path=log_path, cpus=cpus)
+        proc = dict(group.procs)["redis"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ping(host, port):
+                return f"redis://{host}:{port}/0", workdir
+            time.sleep(0.02)
+        group.remove("redis")
+    shutil.rmtree(workdir, ignore_errors=True)
+    raise RuntimeError(f"the embedded redis-server did not answer within {timeout_s:.0f} s")
+
+
+def serve_restart_metrics(host: str, port: int, services: list[str]):
+    """``baton:service_restarts_total{service=...}`` (a counter, 0 for each of ``services`` from the
+    start) on ``http://host:port/metrics``, served by this process; ``port`` 0 picks one. Returns
+    ``on_restart`` for the ``Supervisor`` and the port."""
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    from baton.common.index.server import free_port
+
+    registry = CollectorRegistry()
+    restarts = Counter(
+        "baton:service_restarts",
+        "Times baton up restarted a service process after it exited.",
+        ["service"],
+        registry=registry,
+    )
+    for name in services:
+        restarts.labels(service=name)
+    port = port or free_port(host)
+    start_http_server(port, addr=host, registry=registry)
+    return (lambda name, code: restarts.labels(service=name).inc()), port
+
+
+def _service_names(num_prefill: int, num_decode: int, embedded_redis: bool) -> list[str]:
+    names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+    return (["redis"] if embedded_redis else []) + names + ["gateway"]
+
+
 def machine_probe(model: str | None, num_cores: int) -> dict:
     """The GEMM probe that the layout needs: remembered from an earlier start, else measured in a
     child process (so that this one never loads torch) on the cores ``baton up`` may use."""
@@ -154,7 +233,6 @@ def plan_cluster(cfg: UpConfig, cores: list[int]):
 
 
 def run_cluster(cfg: UpConfig) -> int:
-    from baton.common.index.server import EmbeddedRedis
     from baton.services.procs import format_cpu_list, split_cpus
 
     if cfg.decode < 1 or (cfg.prefill is not None and cfg.prefill < 0):
@@ -169,15 +247,20 @@ def run_cluster(cfg: UpConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"Layout: {layout.describe()}", flush=True)
+    logging.basicConfig(level=logging.INFO, format="baton up: %(message)s")
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    redis = None
-    group = ProcessGroup()
+    url = os.environ.get("REDIS_URL")
     try:
-        url = os.environ.get("REDIS_URL")
-        if not url:
-            redis = EmbeddedRedis()
-            url = redis.start()
+        on_restart, metrics_port = serve_restart_metrics(
+            cfg.host, cfg.metrics_port, _service_names(num_prefill, cfg.decode, not url)
+        )
+    except OSError as e:
+        print(f"error: the supervisor's metrics on port {cfg.metrics_port}: {e}", file=sys.stderr)
+        return 2
+    redis_dir = None
+    group = Supervisor(on_restart=on_restart)
+    try:
         if cfg.log_dir:
             os.makedirs(cfg.log_dir, exist_ok=True)
 
@@ -185,13 +268,15 @@ def run_cluster(cfg: UpConfig) -> int:
             return os.path.join(cfg.log_dir, f"{name}.log") if cfg.log_dir else None
 
         front = _front_cpus(pins, num_prefill)
-        if front and redis is not None and redis.pid is not None:
-            os.sched_setaffinity(redis.pid, front)
+        if not url:
+            url, redis_dir = start_redis(group, cfg.host, log("redis"), front)
+        drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
         n = 0
         for role, count in (("prefill", num_prefill), ("decode", cfg.decode)):
             for i in range(count):
                 args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
                 args += ["--kv-transport", cfg.kv_transport, "--dtype", layout.dtype, *cfg.engine_args]
+                args += drain
                 if layout.colocated and role == "decode":
                     args.append("--colocated")
                 if pins is not None:
@@ -207,6 +292,7 @@ def run_cluster(cfg: UpConfig) -> int:
             str(cfg.port),
             "--redis-url",
             url,
+            *drain,
         ]
         if cfg.model:
             gateway += ["--model", cfg.model]
@@ -221,21 +307,27 @@ def run_cluster(cfg: UpConfig) -> int:
         wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
         key = cfg.api_keys[0] if cfg.api_keys else None
         wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic(), key)
+        print(f"Supervisor metrics: http://{cfg.host}:{metrics_port}/metrics (service restarts)", flush=True)
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
         while True:
-            dead = group.dead()
-            if dead:
-                print(f"error: a service exited: {dead}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            group.supervise()
+            time.sleep(0.2)
     except _Stop:
         return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        group.stop()
-        if redis is not None:
-            redis.stop()
+        _stop_cluster(group, cfg.drain_timeout_s)
+        if redis_dir is not None:
+            shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+def _stop_cluster(group: ProcessGroup, drain_timeout_s: float) -> None:
+    """SIGTERM every service at once and wait for their drains (SIGKILL past the drain timeout and
+    ``STOP_MARGIN_S``); Redis last, once no worker needs it to leave the registry."""
+    signal.signal(signal.SIGINT, _kill_now(group))
+    signal.signal(signal.SIGTERM, _kill_now(group))
+    services = [name for name, _ in group.procs if name != "redis"]
+    group.stop(drain_timeout_s + STOP_MARGIN_S, names=services)
+    group.stop(5.0, names=["redis"])

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from baton.services.lifecycle import RpcGate
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -46,14 +48,18 @@ def model_name(config: EngineConfig) -> str:
 
 
 async def start_grpc(
-    host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None]
+    host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None], gate: RpcGate | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """A started ``grpc.aio`` server with the worker's service and gRPC health (SERVING); returns
-    it and the port it bound (``port`` 0 picks one)."""
-    server = grpc.aio.server()
+    it and the port it bound (``port`` 0 picks one). A ``gate`` guards the work RPCs and gets the
+    health servicer, to report NOT_SERVING when the worker leaves service."""
+    interceptors = [gate] if gate is not None else None
+    server = grpc.aio.server(interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if gate is not None:
+        gate.health = health_servicer
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -85,13 +91,33 @@ def start_heartbeat(
     return heartbeat, registry
 
 
-async def serve_worker(worker, ready_file: str | None = None) -> None:
-    """Start a worker, note its ports in ``ready_file``, and run until cancelled."""
-    await worker.start()
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
+async def serve_worker(
+    make_worker: Callable[[Callable[[int], None]], Any],
+    stop: asyncio.Event,
+    drain_timeout_s: float = 30.0,
+    ready_file: str | None = None,
+) -> int:
+    """Build a worker with ``make_worker(on_exit)``, start it, note its ports in ``ready_file``,
+    and serve until ``stop`` is set (then drain it, within ``drain_timeout_s``) or its engine dies;
+    returns the process's exit code (0 drained, ``EX_SOFTWARE`` dead)."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[int] = loop.create_future()
+
+    def on_exit(code: int) -> None:
+        if not exited.done():
+            exited.set_result(code)
+
+    worker = make_worker(on_exit)
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.Event().wait()
+        await worker.start()
+        if ready_file:
+            with open(ready_file, "w") as f:
+                f.write(f"{worker.grpc_port} {worker.metrics_port}\n")
+        await asyncio.wait({stopping, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            await worker.drain(drain_timeout_s)
+        return exited.result() if exited.done() else 0
     finally:
+        stopping.cancel()
         await worker.stop()

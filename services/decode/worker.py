@@ -18,13 +18,19 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from baton.common.api.convert import params_from_proto, top_logprobs_from_proto, top_logprobs_to_proto
-from baton.common.engine.async_engine import AsyncEngine, EngineFullError, RequestFailedError
+from baton.common.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineFullError,
+    RequestFailedError,
+)
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SampledToken
@@ -33,6 +39,7 @@ from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector, stream_handoff
 from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
     build_engine,
     model_name,
@@ -124,6 +131,8 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailedError as e:  # the engine failed this request only: not the client's fault
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineDeadError as e:  # this worker is leaving service: the gateway resumes it elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             if self.remote is not None:
                 self.remote.results.pop(rid, None)
@@ -271,10 +280,15 @@ def _chunk(d) -> baton_pb2.GenerateChunk:
 
 
 class DecodeWorker:
-    """Owns the engine, servers and heartbeat of one decode worker. ``start()`` / ``stop()``."""
+    """Owns the engine, servers and heartbeat of one decode worker. ``start()``, then ``drain()``
+    (SIGTERM) or ``stop()``. When the engine dies the worker leaves service by itself and calls
+    ``on_exit(EX_SOFTWARE)`` (``services/lifecycle.py``)."""
 
-    def __init__(self, config: DecodeWorkerConfig):
+    def __init__(self, config: DecodeWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
+        self._gate = RpcGate(["/baton.v1.Decode/Generate"])
+        self._lifecycle = Lifecycle(self._gate, self._leave_registry, self.stop, on_exit)
+        self._stopped = False
         self.worker_id = config.worker_id or f"decode-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.grpc_port = config.grpc_port
         self.metrics_port = config.metrics_port
@@ -300,7 +314,11 @@ class DecodeWorker:
                 cfg.redis_url, model_name(cfg.engine), self.worker_id, cfg.prefix_index_max_entries
             )
             on_events = self._publisher.submit
-        self.engine = AsyncEngine(functools.partial(build_engine, cfg.engine), on_cache_events=on_events)
+        self.engine = AsyncEngine(
+            functools.partial(build_engine, cfg.engine),
+            on_cache_events=on_events,
+            on_fatal=self._lifecycle.on_fatal(asyncio.get_running_loop()),
+        )
         llm_engine = await asyncio.to_thread(self.engine.start)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
@@ -338,6 +356,7 @@ class DecodeWorker:
             lambda srv: baton_pb2_grpc.add_DecodeServicer_to_server(
                 DecodeServicer(self.engine, metrics, remote, stream_handoff(registry, labels)), srv
             ),
+            self._gate,
         )
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)
@@ -411,7 +430,19 @@ class DecodeWorker:
         best = min(self._prefill_workers, key=lambda w: (w.load.get("queued_prefill_tokens", 0.0), w.id))
         return best.grpc_address
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Leave service and let the streams in flight finish within ``timeout_s``; the rest end
+        with UNAVAILABLE (the gateway resumes them elsewhere). Then stop. Whether all finished."""
+        return await self._lifecycle.drain(timeout_s)
+
+    def _leave_registry(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # deletes the key: gateways stop routing here at their next read
+
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
@@ -431,6 +462,14 @@ class DecodeWorker:
             self._metrics_server.shutdown()
 
 
-async def serve(config: DecodeWorkerConfig, ready_file: str | None = None) -> None:
-    """Run a decode worker until cancelled (SIGINT/SIGTERM in ``baton decode``)."""
-    await serve_worker(DecodeWorker(config), ready_file)
+async def serve(
+    config: DecodeWorkerConfig,
+    stop: asyncio.Event,
+    drain_timeout_s: float = 30.0,
+    ready_file: str | None = None,
+) -> int:
+    """Run a decode worker until ``stop`` is set (SIGINT/SIGTERM in ``baton decode``), then drain
+    it; or until its engine dies. Returns the exit code (``worker_base.serve_worker``)."""
+    return await serve_worker(
+        lambda on_exit: DecodeWorker(config, on_exit), stop, drain_timeout_s, ready_file
+    )

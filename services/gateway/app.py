@@ -88,6 +88,8 @@ class GatewayConfig:
     ~0.5 MB as English text, ~3 MB as fully escaped non-ASCII text."""
     log_level: str = "info"
     """uvicorn's log level."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long open requests and streams get to finish (uvicorn's graceful shutdown)."""
 
 
 class Gateway:
@@ -380,7 +382,14 @@ def make_server(config: GatewayConfig) -> uvicorn.Server:
     """A uvicorn server around ``create_app(config)``; ``serve()`` runs it, tests drive it directly."""
     app = create_app(config)
     return uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on")
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=config.drain_timeout_s,
+        )
     )
 
 

@@ -76,6 +76,8 @@ def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
     """The client's view of a failed call to a worker."""
     code, details = e.code(), e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if details.startswith("This model's maximum context length"):  # OpenAI's code and param
+            return APIError(400, details, param=prompt_param, code="context_length_exceeded")
         word = details.split(" ", 1)[0]
         return bad_request(details, param=prompt_param if word == "prompt" else None)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -83,7 +85,7 @@ def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, "the request timed out", type="timeout")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, details, type="rate_limit_error")
+        return APIError(429, details, type="rate_limit_error", code="worker_queue_full")
     return APIError(500, f"decode worker error ({code.name}): {details}", type="server_error")
 
 

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
-from baton.common.engine.async_engine import AsyncEngine, EngineFullError
+from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, EngineFullError
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SchedulerOutput
@@ -36,6 +37,7 @@ from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
 from baton.common.transfer import KVSender, TransferConfig, TransferDescriptor, make_sender
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
     build_engine,
     model_name,
@@ -174,6 +176,8 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineFullError as e:  # the waiting queue is full: the decode worker prefills itself
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineDeadError as e:  # leaving service: the decode worker prefills it itself
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
@@ -234,10 +238,15 @@ def _descriptor(msg: baton_pb2.TransferDescriptor) -> TransferDescriptor:
 
 
 class PrefillWorker:
-    """Owns the engine, servers, senders and heartbeat of one prefill worker. ``start()`` / ``stop()``."""
+    """Owns the engine, servers, senders and heartbeat of one prefill worker. ``start()``, then
+    ``drain()`` (SIGTERM) or ``stop()``; a dead engine makes it leave service and call
+    ``on_exit(EX_SOFTWARE)`` (``services/lifecycle.py``)."""
 
-    def __init__(self, config: PrefillWorkerConfig):
+    def __init__(self, config: PrefillWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
+        self._gate = RpcGate(["/baton.v1.Prefill/Prefill"])
+        self._lifecycle = Lifecycle(self._gate, self._leave_registry, self.stop, on_exit)
+        self._stopped = False
         self.worker_id = config.worker_id or f"prefill-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.grpc_port = config.grpc_port
         self.metrics_port = config.metrics_port
@@ -272,7 +281,8 @@ class PrefillWorker:
             engine.on_step_computed = self._on_step_computed  # after the warm-up: no job to push
             return engine
 
-        self.engine = AsyncEngine(build, on_cache_events=on_events)
+        on_fatal = self._lifecycle.on_fatal(asyncio.get_running_loop())
+        self.engine = AsyncEngine(build, on_cache_events=on_events, on_fatal=on_fatal)
         llm_engine = await asyncio.to_thread(self.engine.start)
         self.kv_layout = kv_cache_layout(llm_engine.kv_cache)
         registry = CollectorRegistry()
@@ -293,6 +303,7 @@ class PrefillWorker:
             cfg.host,
             self.grpc_port,
             lambda srv: baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), srv),
+            self._gate,
         )
         if cfg.redis_url:
             info = WorkerInfo(
@@ -402,7 +413,20 @@ class PrefillWorker:
     def queued_prefill_tokens(self) -> int:
         return sum(max(0, j.prompt_len - j.computed) for j in list(self.jobs.values()))
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Leave service and let the prefills in flight, their KV transfers included, finish within
+        ``timeout_s``; the rest end with UNAVAILABLE (the decode worker prefills them itself).
+        Then stop. Whether all finished."""
+        return await self._lifecycle.drain(timeout_s)
+
+    def _leave_registry(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # deletes the key: decode workers stop picking it at their next read
+
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._server is not None:
@@ -434,6 +458,14 @@ def _close_later(sender: KVSender) -> None:
     threading.Thread(target=close, name="baton-sender-close", daemon=True).start()
 
 
-async def serve(config: PrefillWorkerConfig, ready_file: str | None = None) -> None:
-    """Run a prefill worker until cancelled (SIGINT/SIGTERM in ``baton prefill``)."""
-    await serve_worker(PrefillWorker(config), ready_file)
+async def serve(
+    config: PrefillWorkerConfig,
+    stop: asyncio.Event,
+    drain_timeout_s: float = 30.0,
+    ready_file: str | None = None,
+) -> int:
+    """Run a prefill worker until ``stop`` is set (SIGINT/SIGTERM in ``baton prefill``), then drain
+    it; or until its engine dies. Returns the exit code (``worker_base.serve_worker``)."""
+    return await serve_worker(
+        lambda on_exit: PrefillWorker(config, on_exit), stop, drain_timeout_s, ready_file
+    )

@@ -262,6 +262,15 @@ def test_errors_in_openai_shape(client, base_url):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[100] * 2100, max_tokens=4, stream=True)
     assert "max_model_len" in e.value.message and e.value.param == "prompt"
+    for stream in (False, True):  # a prompt that fits, with a completion that cannot: refused up front
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=[100] * 2000, max_tokens=49, stream=stream)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+        assert "maximum context length is 2048 tokens" in e.value.message
+        assert "2049 tokens (2000 in the prompt, 49 in the completion)" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=4096)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
     bad_json = httpx.post(f"{base_url}/v1/completions", content=b"{nope", timeout=10)
     missing = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL}, timeout=10)
     for r in (bad_json, missing):
