@@ -67,6 +67,21 @@ class EngineCollector:
             "Time detokenizing output (part of the steps).",
             e.detokenize_seconds_total,
         )
+        yield self._c(
+            "baton:engine_failed_steps",
+            "Engine steps that raised or whose every sampled row was not finite.",
+            e.num_failed_steps_total,
+        )
+        yield self._c(
+            "baton:requests_failed",
+            "Requests the engine failed (finish reason error).",
+            e.num_failed_requests_total,
+        )
+        yield self._c(
+            "baton:requests_refused",
+            "Requests refused because the waiting queue was full.",
+            e.num_refused_requests_total,
+        )
 
 
 class TransferCollector:

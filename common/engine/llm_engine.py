@@ -148,6 +148,7 @@ class LLMEngine:
         self.num_failed_steps_total = 0
         self.num_failed_requests_total = 0
         self._failed_steps_in_a_row = 0
+        self.num_refused_requests_total = 0  # the waiting queue was full (``check_queue_room``)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
@@ -202,21 +203,27 @@ class LLMEngine:
 
     def check_queue_room(self, num_tokens: int) -> None:
         """Raise ``EngineFullError`` unless one more request of ``num_tokens`` tokens fits under the
-        caps on requests not yet running (``max_waiting_requests``, ``max_waiting_tokens``).
-        Counted afresh each time (at most ``max_waiting_requests`` terms): no counter to keep in
-        step with every path in and out of the queue."""
+        caps on requests not yet running (``max_waiting_requests``, ``max_waiting_tokens``)."""
+        full = self._queue_full(num_tokens)
+        if full is not None:
+            self.num_refused_requests_total += 1
+            raise EngineFullError(full)
+
+    def _queue_full(self, num_tokens: int) -> str | None:
+        """Why the waiting queue has no room for ``num_tokens`` more tokens, or None. Counted
+        afresh each time (at most ``max_waiting_requests`` terms): no counter to keep in step with
+        every path in and out of the queue."""
         cfg = self.config
         waiting = list(self.scheduler.waiting) + list(self._remote.values())
         if len(waiting) >= cfg.max_waiting_requests:
-            raise EngineFullError(
-                f"{len(waiting)} requests are waiting (max_waiting_requests={cfg.max_waiting_requests})"
-            )
+            return f"{len(waiting)} requests are waiting (max_waiting_requests={cfg.max_waiting_requests})"
         queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         if waiting and queued + num_tokens > cfg.max_waiting_tokens:  # one alone always fits
-            raise EngineFullError(
+            return (
                 f"{queued} tokens are waiting and this request brings {num_tokens} "
                 f"(max_waiting_tokens={cfg.max_waiting_tokens})"
             )
+        return None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

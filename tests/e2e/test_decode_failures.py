@@ -17,7 +17,7 @@ from baton.common.api.convert import params_to_proto
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.llm import SamplingParams
-from baton.common.metrics import RequestMetrics
+from baton.common.metrics import EngineCollector, RequestMetrics
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeServicer
 from baton.services.gateway.dispatch import rpc_error
@@ -25,6 +25,7 @@ from baton.services.gateway.dispatch import rpc_error
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 PROMPT = list(range(600, 640))
+LABELS = {"worker": "test"}
 
 
 def _wait(check, what: str, timeout_s: float = 30.0) -> None:
@@ -54,9 +55,12 @@ def served(llm_fp32):
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, LABELS))
+
     async def serve():
         server = grpc.aio.server()
-        metrics = RequestMetrics(CollectorRegistry(), {"worker": "test"})
+        metrics = RequestMetrics(registry, LABELS)
         baton_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(ae, metrics), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -65,7 +69,7 @@ def served(llm_fp32):
     server, port = asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield engine, baton_pb2_grpc.DecodeStub(channel)
+            yield engine, baton_pb2_grpc.DecodeStub(channel), registry
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result(timeout=30)
         ae.stop()
@@ -82,7 +86,7 @@ def _tokens(call) -> list[int]:
 
 
 def test_a_full_waiting_queue_is_resource_exhausted(served, llm_fp32):
-    engine, stub = served
+    engine, stub, registry = served
     ref = llm_fp32.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
     running = stub.Generate(_req("running", LONG), timeout=120)
     assert next(running).token_ids  # streaming: the only request that may run
@@ -94,6 +98,7 @@ def test_a_full_waiting_queue_is_resource_exhausted(served, llm_fp32):
     assert "max_waiting_requests=1" in refused.value.details()
     err = rpc_error(refused.value, "prompt")
     assert (err.status, err.type) == (429, "rate_limit_error")  # what the gateway answers
+    assert registry.get_sample_value("baton:requests_refused_total", LABELS) == 1
     running.cancel()  # room again: the waiting request runs and completes normally
     assert _tokens(waiting) == ref
     _wait(lambda: not engine.has_unfinished_requests(), "the engine to go idle")
@@ -101,7 +106,7 @@ def test_a_full_waiting_queue_is_resource_exhausted(served, llm_fp32):
 
 
 def test_a_request_the_engine_failed_is_internal_and_the_next_one_is_served(served, llm_fp32, monkeypatch):
-    engine, stub = served
+    engine, stub, registry = served
     ref = llm_fp32.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
     _wait(lambda: not engine.has_unfinished_requests(), "the engine to go idle")
     real = engine.runner.execute
@@ -120,4 +125,5 @@ def test_a_request_the_engine_failed_is_internal_and_the_next_one_is_served(serv
     assert "injected step fault" in failed.value.details()
     assert rpc_error(failed.value, "prompt").status == 500  # not the client's fault
     assert _tokens(stub.Generate(_req("next"), timeout=60)) == ref
-    assert engine.num_failed_requests_total == 1
+    assert registry.get_sample_value("baton:requests_failed_total", LABELS) == 1
+    assert registry.get_sample_value("baton:engine_failed_steps_total", LABELS) == 1

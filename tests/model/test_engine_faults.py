@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -179,6 +180,7 @@ def test_the_waiting_queue_is_capped_in_requests_and_tokens(llm_fp32):
     with pytest.raises(EngineFullError):  # a parked remote reservation counts as waiting too
         engine.reserve_remote("r", OTHER, GREEDY)
     assert not issubclass(EngineFullError, ValueError)  # not the client's fault: 429, not 400
+    assert engine.num_refused_requests_total == 3
     engine.abort_request(["a", "b", "c"])
     assert engine.reserve_remote("r", OTHER, GREEDY) is not None
     engine.abort_request("r")
@@ -248,6 +250,10 @@ def test_a_fatal_engine_fails_every_stream_and_calls_on_fatal_once(llm_fp32, mon
 
     try:
         asyncio.run(asyncio.wait_for(main(), 120))
+        deadline = time.monotonic() + 10  # on_fatal runs on the engine thread, after the streams fail
+        while not fatal:
+            assert time.monotonic() < deadline, "on_fatal was never called"
+            time.sleep(0.01)
         assert fatal == [boom]
         assert not ae.is_running and ae.error is boom
     finally:
