@@ -449,7 +449,8 @@ class DecodeWorker:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._server is not None:
-            await self._server.stop(grace=2.0)
+            # Drained or dead: every work call has ended, what is left (health watches) needs no grace.
+            await self._server.stop(grace=0.2 if self._gate.refusal is not None else 2.0)
         if self.engine is not None:
             self.engine.stop()
         if self._remote is not None:

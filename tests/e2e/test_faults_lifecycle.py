@@ -267,7 +267,9 @@ def test_sigterm_drains_a_decode_worker(tiny_model, model_name, redis_url, regis
             assert _tokens(chunks) == tokens
             assert any(ids and at > left for at, ids in chunks), "a stream had ended before the drain"
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
-        assert time.monotonic() - signalled < 60
+        exited = time.monotonic() - signalled
+        assert exited < 60
+        print(f"decode SIGTERM: out of the registry in {left - signalled:.2f} s, exited 0 in {exited:.1f} s")
     finally:
         _stop(proc)
 
@@ -295,6 +297,9 @@ def test_drain_deadline_ends_what_is_left_with_unavailable(tiny_model, one_torch
                     assert not chunk.finish_reason, "the stream finished instead of being cut"
             assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "drain deadline" in cut.value.details()
+            print(
+                f"drain deadline 2.0 s: the open stream ended UNAVAILABLE {time.monotonic() - started:.2f} s in"
+            )
             assert 0 < received < 3000
             assert drained.result(timeout=30) is False
             assert time.monotonic() - started < 2.0 + 5.0
@@ -346,6 +351,9 @@ def test_engine_death_takes_the_worker_out_of_service(
             assert served.result(timeout=5) == EX_SOFTWARE
             assert codes == [EX_SOFTWARE]
             assert time.monotonic() - failed < 3.0
+            print(
+                f"engine death: stream UNAVAILABLE, worker out and exit {EX_SOFTWARE} {time.monotonic() - failed:.2f} s after"
+            )
             assert registry.get("fatal-d") is None
             assert not worker._heartbeat.running
             watcher.join(timeout=10)
@@ -434,9 +442,15 @@ def test_gateway_sigterm_finishes_its_open_stream(cluster, model_name):
         stream = pool.submit(_stream, base, body, first)
         assert first.wait(60), "the stream did not start"
         os.kill(_child(up.pid, "gateway"), signal.SIGTERM)
+        signalled = time.monotonic()
         assert _tokens(stream.result(timeout=120)) == want
+    finished = time.monotonic() - signalled
     _poll(lambda: _restarts(metrics).get("gateway") == 1, 60, "baton up to restart the gateway")
     _poll(lambda: _serves(base, model_name), 60, "the restarted gateway to serve")
+    print(
+        f"gateway SIGTERM: open stream finished {finished:.1f} s after, restarted and serving "
+        f"{time.monotonic() - signalled:.1f} s after"
+    )
 
 
 def test_a_killed_decode_worker_is_restarted(cluster, model_name):
@@ -457,8 +471,12 @@ def test_a_killed_redis_is_restarted_on_its_port(cluster, model_name):
     next heartbeat and the cluster serves."""
     base, metrics, up = cluster
     os.kill(_child(up.pid, "redis-server"), signal.SIGKILL)
+    killed = time.monotonic()
     _poll(lambda: _restarts(metrics).get("redis") == 1, 30, "baton up to restart Redis")
     _poll(lambda: _roles(base) == ["decode"], 30, "the decode worker to register again")
+    print(
+        f"Redis kill -9: restarted and the decode worker registered again {time.monotonic() - killed:.1f} s after"
+    )
     assert _serves(base, model_name)
 
 
@@ -482,8 +500,12 @@ def test_sigterm_on_up_drains_every_service(cluster, model_name):
         stream = pool.submit(_stream, base, body, first)
         assert first.wait(60), "the stream did not start"
         up.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         assert _tokens(stream.result(timeout=120)) == want
     assert up.wait(timeout=60) == 0
+    print(
+        f"baton up SIGTERM: the open stream completed and every service exited in {time.monotonic() - signalled:.1f} s"
+    )
     _poll(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 10, "every service to exit")
     out = up.stdout.read()
     assert "gateway exited with code 0" in out, out
