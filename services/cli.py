@@ -243,7 +243,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 
     if (code := _pin(a)) is not None:
         return code
-    config = PrefillWorkerConfig(**_worker_kwargs(a))
+    config = PrefillWorkerConfig(**_worker_kwargs(a), fault_pause_after_blocks=a.fault_pause_after_blocks)
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
 
@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("prefill", help="one prefill worker")
     _worker_args(pre)
+    # Test-only fault injection (tests/e2e/test_faults_prefill.py), hidden from --help: the engine
+    # stops for good once the first prompt has had N blocks sent, as a worker dying mid-transfer.
+    pre.add_argument("--fault-pause-after-blocks", type=int, default=0, help=argparse.SUPPRESS)
     pre.set_defaults(func=cmd_prefill)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")

@@ -4,12 +4,14 @@ heartbeat, the prefix-cache publisher, and the serve loop."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from baton.services.lifecycle import RpcGate
@@ -47,6 +49,15 @@ def model_name(config: EngineConfig) -> str:
     return ModelSource.resolve(config.model).name
 
 
+GRPC_SERVER_OPTIONS = (
+    # Clients (the gateway, decode workers) ping every 2 s on open calls to notice a hung worker;
+    # gRPC's defaults would answer pings more often than every 5 minutes with GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
 async def start_grpc(
     host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None], gate: RpcGate | None = None
 ) -> tuple[grpc.aio.Server, int]:
@@ -54,7 +65,7 @@ async def start_grpc(
     it and the port it bound (``port`` 0 picks one). A ``gate`` guards the work RPCs and gets the
     health servicer, to report NOT_SERVING when the worker leaves service."""
     interceptors = [gate] if gate is not None else None
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=list(GRPC_SERVER_OPTIONS))
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -68,27 +79,44 @@ async def start_grpc(
 
 def start_publisher(redis_url: str, model_name: str, worker_id: str, max_entries: int):
     """A started ``CachePublisher`` writing this worker's cache events to the prefix index."""
-    import redis
-
+    from baton.common.index.client import connect
     from baton.common.index.prefix_index import PrefixIndex
     from baton.common.index.publisher import CachePublisher
 
-    index = PrefixIndex(redis.Redis.from_url(redis_url), model_name, max_entries=max_entries)
+    index = PrefixIndex(connect(redis_url), model_name, max_entries=max_entries)
     publisher = CachePublisher(index, worker_id)
     publisher.start()
     return publisher
 
 
 def start_heartbeat(
-    redis_url: str, model_name: str, ttl_s: float, info: WorkerInfo, load: Callable[[], dict[str, float]]
+    redis_url: str,
+    model_name: str,
+    ttl_s: float,
+    info: WorkerInfo,
+    load: Callable[[], dict[str, float]],
+    publisher=None,
+    engine: AsyncEngine | None = None,
 ) -> tuple[Heartbeat, WorkerRegistry]:
-    """Register ``info`` and keep it alive with fresh ``load()`` figures on every beat."""
-    import redis
+    """Register ``info`` and keep it alive with fresh ``load()`` figures on every beat. With the
+    worker's ``publisher`` and ``engine``, a Redis that lost this worker (restarted empty) gets the
+    whole prefix cache published again (``CachePublisher.resync``), so that prefix-aware routing
+    recovers without a restart."""
+    from baton.common.index.client import connect
 
-    registry = WorkerRegistry(redis.Redis.from_url(redis_url), model_name, ttl_s)
-    heartbeat = Heartbeat(registry, lambda: info.with_load(**load()))
+    if publisher is not None and engine is not None:
+        publisher.snapshot_source = functools.partial(_snapshot_cache, publisher, engine)
+    registry = WorkerRegistry(connect(redis_url), model_name, ttl_s)
+    on_forgotten = publisher.resync if publisher is not None else None
+    heartbeat = Heartbeat(registry, lambda: info.with_load(**load()), on_forgotten=on_forgotten)
     heartbeat.start()
     return heartbeat, registry
+
+
+def _snapshot_cache(publisher, engine: AsyncEngine) -> None:
+    """Have the engine thread queue every hash its prefix cache holds on ``publisher`` (between two
+    steps, so the snapshot sits in order with the step events around it; nothing waits)."""
+    engine.call_soon(lambda llm: publisher.submit_snapshot(llm.pool.cached_hashes()))
 
 
 async def serve_worker(

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.common.engine.block_pool import CacheEvents
-from baton.common.engine.llm_engine import EngineFullError, LLMEngine
+from baton.common.engine.llm_engine import EngineFullError, LandedPrefix, LLMEngine
 from baton.common.engine.outputs import RequestOutput, TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken
@@ -209,12 +209,13 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        prefill: Callable[[list[int], int], Awaitable[SampledToken | None]],
+        prefill: Callable[[list[int], int], Awaitable[SampledToken | LandedPrefix | None]],
     ) -> AsyncIterator[StreamDelta]:
         """Like ``generate``, with the prompt prefilled elsewhere: blocks are reserved on the engine
         thread, then ``prefill(block_ids, num_cached_tokens)`` runs on the caller's loop (it asks a
         prefill worker to fill those blocks and returns the first token, or None to prefill here
-        instead). The engine keeps stepping other requests meanwhile."""
+        instead, or a ``LandedPrefix`` to compute here only what did not land). The engine keeps
+        stepping other requests meanwhile."""
         if self.error is not None:
             raise self._dead_error()
         self.engine.validate_prompt(prompt_token_ids)
@@ -252,6 +253,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def call_soon(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run ``fn(engine)`` on the engine thread between two steps (any thread may ask; it never
+        waits): the one safe way to touch the engine's books from outside, e.g. to release blocks
+        held for a transfer or to snapshot the prefix cache. An exception is logged, not raised."""
+        self._commands.put(("call", fn))
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self, built: threading.Event) -> None:
@@ -341,6 +348,11 @@ class AsyncEngine:
             out = self.engine.resume_remote(rid, token)
             if out is not None:
                 self._publish(out)
+        elif kind == "call":
+            try:
+                cmd[1](self.engine)
+            except Exception:  # noqa: BLE001 - a helper's bug must not end the engine loop
+                log.exception("a call on the engine thread failed")
         elif kind == "abort":
             rid = cmd[1]
             self.engine.abort_request(rid)

@@ -76,6 +76,15 @@ class EngineFullError(Exception):
     HTTP 429). Deliberately not a ``ValueError``, which means the client's request is bad."""
 
 
+@dataclass(frozen=True)
+class LandedPrefix:
+    """What a remote prefill that failed part-way leaves: the KV of the prompt's first
+    ``num_tokens`` tokens landed in the request's blocks (whole blocks from the start of its
+    reserved range), so only the rest is computed here (``resume_remote``)."""
+
+    num_tokens: int
+
+
 class EngineStepError(RuntimeError):
     """The engine cannot go on: its block pool's books no longer balance after a failed step, or
     ``max_consecutive_failed_steps`` steps in a row failed."""
@@ -136,6 +145,8 @@ class LLMEngine:
         self.num_steps_with_prefill = 0
         self.num_preemptions_total = 0
         self.num_remote_prefills_total = 0
+        self.num_remote_tokens_kept_total = 0
+        """Prompt tokens whose KV landed before their remote prefill failed, kept, not recomputed."""
         # Where a step's time goes (``baton bench breakdown``): the whole step, the model's forward
         # pass and sampling, and detokenizing output.
         self.num_steps_total = 0
@@ -265,14 +276,20 @@ class LLMEngine:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         return self.kv.block_ids(request_id), num_hit
 
-    def resume_remote(self, request_id: str, first_token: SampledToken | None) -> RequestOutput | None:
+    def resume_remote(
+        self, request_id: str, first_token: SampledToken | LandedPrefix | None
+    ) -> RequestOutput | None:
         """Start decoding a parked request whose prompt KV has landed in its blocks, with the
         first token the prefill worker sampled; or, with None (the remote prefill failed or was
-        not worth it), compute the rest of its prompt here. Returns the output when the first
-        token already ends the request or streams it."""
+        not worth it), compute the rest of its prompt here; or, with a ``LandedPrefix`` (it failed
+        part-way), keep the KV that landed and compute only the rest. Returns the output when the
+        first token already ends the request or streams it."""
         req = self._remote.pop(request_id, None)
         if req is None:
             return None  # aborted meanwhile
+        if isinstance(first_token, LandedPrefix):
+            self._keep_landed(req, first_token.num_tokens)
+            first_token = None
         if first_token is not None:
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.cache_computed(req, req.num_prompt_tokens)
@@ -286,6 +303,15 @@ class LLMEngine:
         if req.is_finished:
             self._forget(request_id)
         return out
+
+    def _keep_landed(self, req: Request, num_tokens: int) -> None:
+        """Count a parked request's first ``num_tokens`` prompt tokens as computed (their KV
+        landed); at least its last prompt token is left to compute, for the logits of its first
+        token. Their full blocks join the prefix cache, as computed blocks do."""
+        n = max(req.num_computed_tokens, min(num_tokens, req.num_prompt_tokens - 1))
+        self.num_remote_tokens_kept_total += n - req.num_computed_tokens
+        req.num_computed_tokens = n
+        self.kv.cache_computed(req, n)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

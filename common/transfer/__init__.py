@@ -15,6 +15,7 @@ from baton.common.transfer.base import (
     TransferDescriptor,
     TransferError,
     TransferHandle,
+    TransferProgress,
     TransferStats,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "TransferDescriptor",
     "TransferError",
     "TransferHandle",
+    "TransferProgress",
     "TransferStats",
     "make_receiver",
     "make_sender",

@@ -14,6 +14,7 @@ This module imports no torch (the package ``__init__`` stays light).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -68,6 +69,17 @@ class TransferDescriptor:
 
 
 @dataclass(frozen=True)
+class TransferProgress:
+    """How far one expected transfer has got (``KVReceiver.progress``)."""
+
+    blocks_landed: int
+    """Destination blocks whose payload has fully landed."""
+    blocks_expected: int
+    last_landed: float | None
+    """``time.monotonic()`` of the latest landing; None before the first."""
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """Counters of one sender or receiver since start (exported to Prometheus by the services)."""
 
@@ -97,6 +109,10 @@ class TransferHandle:
         self.started = time.monotonic()
         self.elapsed_s = 0.0
         """Seconds from creation to completion (0 until done)."""
+        self.landed_block_ids: frozenset[int] = frozenset()
+        """Receiver: the destination blocks whose payload fully landed while the transfer was live
+        (set on completion; every block on success). After a failure these hold whole, valid KV
+        and nothing writes them any more; the others must be recomputed."""
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._error: TransferError | None = None
@@ -115,6 +131,31 @@ class TransferHandle:
     def wait(self, timeout: float | None = None) -> None:
         if not self._event.wait(timeout):
             raise TransferError(f"transfer {self.transfer_id!r} not done after {timeout} s of waiting")
+        if self._error is not None:
+            raise self._error
+
+    async def wait_async(self, timeout: float | None = None) -> None:
+        """``wait`` for an asyncio caller: the event loop goes on meanwhile and no thread is held."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def wake(_: TransferHandle) -> None:
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+
+        self.add_done_callback(wake)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            raise TransferError(
+                f"transfer {self.transfer_id!r} not done after {timeout} s of waiting"
+            ) from None
         if self._error is not None:
             raise self._error
 
@@ -184,7 +225,13 @@ class KVReceiver(ABC):
         ucx does not report dead peers, so there the deadline does it).
       * A failed or cancelled transfer's handle completes only once no message is still being
         written into its blocks (bounded by ``timeout_s`` more): release the blocks after that.
+        Its ``landed_block_ids`` are the blocks that landed whole before it failed (a message that
+        completes after the failure, or after the deadline, is not counted: its sender may have
+        given up on it and reused the source blocks), so a caller may keep those and recompute
+        only the rest.
       * Only blocks named in ``expect`` are ever written.
+      * ``progress(tid)`` says how many blocks have landed so far and when the latest did (None
+        once the transfer is settled or if it was never expected): a stalled sender shows there.
     """
 
     @abstractmethod
@@ -197,6 +244,9 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def cancel(self, transfer_id: str) -> None: ...
+
+    @abstractmethod
+    def progress(self, transfer_id: str) -> TransferProgress | None: ...
 
     @abstractmethod
     def stats(self) -> TransferStats: ...

@@ -14,6 +14,7 @@ from baton.common.transfer.base import (
     TransferConfig,
     TransferError,
     TransferHandle,
+    TransferProgress,
     TransferStats,
     all_of,
 )
@@ -77,6 +78,9 @@ class _Expected:
     writing: set[int] = field(default_factory=set)
     inflight: int = 0
     """Messages being written into this transfer's blocks right now."""
+    landed: set[int] = field(default_factory=set)
+    """Blocks whose payload landed whole while the transfer was live."""
+    last_landed: float | None = None
     nbytes: int = 0
     peers: set[Hashable] = field(default_factory=set)
     error: TransferError | None = None
@@ -126,16 +130,26 @@ class ExpectedTransfers:
             entry = self._pending.get(transfer_id)
             if entry is None or entry.error is not None:
                 return False
-            entry.peers.add(peer)
-            if ids <= entry.remaining and len(ids) == len(dst_block_ids):
-                entry.remaining -= ids
-                entry.writing |= ids
-                entry.inflight += 1
-                return True
             now = time.monotonic()
-            self._fail_locked(entry, TransferError(f"transfer {transfer_id!r}: unexpected blocks"), now)
-            done = self._settle_locked(entry, now)
+            if now >= entry.deadline:  # expired, the sweep has not run yet: nothing more lands
+                self._fail_locked(entry, TransferError(f"transfer {transfer_id!r} timed out"), now)
+                done = self._settle_locked(entry, now)
+                claimed = False
+            else:
+                claimed = self._claim_locked(entry, ids, len(dst_block_ids), peer, now)
+                done = None if claimed else self._settle_locked(entry, now)
         self._complete(done)
+        return claimed
+
+    def _claim_locked(self, entry: _Expected, ids: set[int], count: int, peer: Hashable, now: float) -> bool:
+        entry.peers.add(peer)
+        if ids <= entry.remaining and len(ids) == count:
+            entry.remaining -= ids
+            entry.writing |= ids
+            entry.inflight += 1
+            return True
+        tid = entry.handle.transfer_id
+        self._fail_locked(entry, TransferError(f"transfer {tid!r}: unexpected blocks"), now)
         return False
 
     def landed(
@@ -155,9 +169,14 @@ class ExpectedTransfers:
             entry.inflight -= 1
             entry.writing -= set(dst_block_ids)
             now = time.monotonic()
+            if error is None and entry.error is None and now >= entry.deadline:
+                error = TransferError(f"transfer {transfer_id!r} timed out")
             if error is None:
                 entry.nbytes += nbytes
                 self._counters.add(bytes=nbytes, seconds=seconds)
+                if entry.error is None:
+                    entry.landed |= set(dst_block_ids)
+                    entry.last_landed = now
             else:
                 self._fail_locked(entry, error, now)
             done = self._settle_locked(entry, now)
@@ -194,6 +213,13 @@ class ExpectedTransfers:
         with self._lock:
             return len(self._pending)
 
+    def progress(self, transfer_id: str) -> TransferProgress | None:
+        with self._lock:
+            entry = self._pending.get(transfer_id)
+            if entry is None:
+                return None
+            return TransferProgress(len(entry.landed), len(entry.blocks), entry.last_landed)
+
     # -- internals (``_locked``: caller holds the lock) -----------------------------------------
     def _fail(self, match, error: TransferError) -> None:
         done = []
@@ -224,6 +250,7 @@ class ExpectedTransfers:
         for i in entry.blocks:
             self._owner.pop(i, None)
         self._counters.add(**{"transfers_ok" if succeeded else "transfers_failed": 1})
+        entry.handle.landed_block_ids = frozenset(entry.landed)
         return entry.handle, entry.error, entry.nbytes
 
     @staticmethod
@@ -255,6 +282,9 @@ class TableReceiver(KVReceiver):
 
     def cancel(self, transfer_id: str) -> None:
         self._table.cancel(transfer_id)
+
+    def progress(self, transfer_id: str) -> TransferProgress | None:
+        return self._table.progress(transfer_id)
 
     def stats(self) -> TransferStats:
         return self._counters.snapshot()

@@ -41,6 +41,7 @@ from baton.services.gateway.openai_schema import (
     check_prompt_ids,
     check_text,
 )
+from baton.services.gateway.readiness import Readiness
 from baton.services.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, TokenText
 from baton.services.gateway.router import Router
 from baton.services.gateway.streaming import ClientGone, SSEResponse, collect, events, unless_disconnected
@@ -207,14 +208,15 @@ class RequestIdMiddleware:
 
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app. Loads the tokenizer; Redis and the workers are reached on first use."""
-    import redis
-
+    from baton.common.index.client import connect
     from baton.common.index.prefix_index import PrefixIndex
     from baton.common.index.registry import WorkerRegistry
     from baton.common.model.source import ModelSource, load_tokenizer
 
     source = ModelSource.resolve(config.model)
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    # Every call bounded (common/index/client.py): the router reads in the background and keeps its
+    # last workers while Redis is away.
+    client = connect(config.redis_url)
     # The TTL only matters to writers; the gateway reads.
     index = PrefixIndex(client, source.name, max_entries=config.prefix_index_max_entries)
     router = Router(
@@ -353,15 +355,13 @@ def _add_service_routes(app: FastAPI, gw: Gateway) -> None:
     async def health() -> dict:
         return {"status": "ok"}
 
+    readiness = Readiness(gw.router)
+
     @app.get("/ready", response_model=None, responses=openapi.doc(openapi.Readiness, openapi.READY))
     async def ready() -> JSONResponse:
-        try:
-            decode = await gw.router.list_workers("decode")
-        except Exception as e:  # noqa: BLE001 - an unreachable registry is "not ready", not a crash
-            return JSONResponse({"status": "not ready", "reason": f"registry: {e}"}, status_code=503)
-        if not decode:
-            return JSONResponse({"status": "not ready", "reason": "no decode worker"}, status_code=503)
-        return JSONResponse({"status": "ready", "decode_workers": len(decode)})
+        # Ready while a decode worker the router knows answers its health check, Redis or not.
+        state = await readiness.check()
+        return JSONResponse(state.body(), status_code=200 if state.ready else 503)
 
     @app.get("/metrics", response_model=None, responses=openapi.METRICS)
     async def metrics() -> Response:

@@ -13,11 +13,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from baton.common.engine.hashing import BlockHasher
+from baton.common.index.outage import OutageLog
 from baton.common.index.registry import Role, WorkerInfo, WorkerRegistry
 from baton.protos import baton_pb2_grpc
 
@@ -29,8 +32,18 @@ class NoWorkerError(RuntimeError):
 
 
 class Router:
-    """Worker choice for the gateway. Registry reads run in a thread (the client is synchronous), so
-    the event loop never waits on Redis; the decode list is cached for ``refresh_s`` seconds."""
+    """Worker choice for the gateway.
+
+    Redis can go away; routing goes on. Requests are routed on the last worker list read from the
+    registry: a list older than ``refresh_s`` starts a read in the background and requests go on
+    with the list they have, so no request waits on a registry read unless there is no list at all
+    (start-up; then at most ``first_read_timeout_s``, and 503 if the registry cannot be read). While
+    the registry cannot be read, workers are weighed by this gateway's own in-flight counts (their
+    reported loads are stale) and the prefix index is left alone: a lookup that fails or takes more
+    than ``lookup_timeout_s`` costs its request that routing hint only, and the next ones skip the
+    index until a registry read succeeds again. Redis calls run on a small pool of their own
+    threads, so a Redis that hangs cannot starve the event loop's default executor (tokenizing).
+    """
 
     # What one queued or running request costs a worker, in prompt tokens to compute: about one
     # W2 prompt. A worker holding a 1k-token prefix wins until it has ~4 more requests than another.
@@ -54,44 +67,82 @@ class Router:
         refresh_s: float = 0.5,
         prefix_index=None,
         block_size: int = 16,
+        first_read_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 0.5,
     ) -> None:
         """``prefix_index`` (a ``PrefixIndex``) enables prefix-aware choice; ``block_size`` must be
-        the workers' so that prompts hash to the blocks they publish."""
+        the workers' so that prompts hash to the blocks they publish. ``first_read_timeout_s``
+        bounds a request's wait for a registry read when there is no worker list yet;
+        ``lookup_timeout_s`` bounds a prefix-index lookup in a request's path."""
         self._registry = registry
         self._prefix_index = prefix_index
         self._hasher = BlockHasher(block_size)
         self._refresh_s = refresh_s
+        self._first_read_timeout_s = first_read_timeout_s
+        self._lookup_timeout_s = lookup_timeout_s
         self._decode: list[WorkerInfo] = []
         self._prefill: list[WorkerInfo] = []
         self._fetched_at = float("-inf")
         self._queued_tokens: Counter[str] = Counter()  # prompt tokens sent to a prefill worker
-        self._refresh_lock = asyncio.Lock()
+        self._refresh: asyncio.Task | None = None
+        self._registry_error: Exception | None = None
+        """Why the latest registry read failed; None once one succeeds."""
+        self._read_ok_at = float("-inf")  # when the latest successful registry read started
+        self._lookup_failed_at = float("-inf")
+        self._registry_outage = OutageLog(log, "worker registry (gateway)")
+        self._index_outage = OutageLog(log, "prefix index (gateway)")
+        self._redis_pool: ThreadPoolExecutor | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
 
+    async def _redis(self, fn, *args):
+        """``fn(*args)`` (a blocking Redis call) on the router's own threads (a few: each call is
+        bounded by the client's timeouts, and lookups are skipped while Redis is away)."""
+        if self._redis_pool is None:
+            self._redis_pool = ThreadPoolExecutor(4, thread_name_prefix="baton-redis")
+        return await asyncio.get_running_loop().run_in_executor(self._redis_pool, fn, *args)
+
     async def list_workers(self, role: Role | None = None) -> list[WorkerInfo]:
-        """Live workers from Redis now (no cache)."""
-        return await asyncio.to_thread(self._registry.list, role)
+        """Live workers from Redis now (no cache; bounded by the client's timeouts)."""
+        return await self._redis(self._registry.list, role)
+
+    @property
+    def registry_reachable(self) -> bool:
+        """Whether the latest registry read succeeded (the worker list and loads are current)."""
+        return self._registry_error is None
 
     async def decode_workers(self) -> list[WorkerInfo]:
-        """Live decode workers, at most ``refresh_s`` old."""
-        async with self._refresh_lock:
-            if time.monotonic() - self._fetched_at >= self._refresh_s:
-                await self._refresh_decode()
+        """The decode workers of the last registry read, refreshed in the background once older
+        than ``refresh_s``; waits (bounded) only while there is none to route on."""
+        refresh = self._refresh_if_stale()
+        if not self._decode and not refresh.done():
+            await asyncio.wait({refresh}, timeout=self._first_read_timeout_s)
+        if not self._decode and self._registry_error is not None:
+            raise NoWorkerError(f"the worker registry is unreachable: {self._registry_error}")
         return self._decode
 
+    def _refresh_if_stale(self) -> asyncio.Task:
+        """The registry read in flight, starting one if the last is ``refresh_s`` old."""
+        task, loop = self._refresh, asyncio.get_running_loop()
+        idle = task is None or task.done() or task.get_loop() is not loop
+        if idle and time.monotonic() - self._fetched_at >= self._refresh_s:
+            task = self._refresh = loop.create_task(self._refresh_decode())
+        assert task is not None
+        return task
+
     async def _refresh_decode(self) -> None:
-        self._fetched_at = time.monotonic()
+        started = self._fetched_at = time.monotonic()
         try:
             workers = await self.list_workers()
-            self._decode = [w for w in workers if w.role == "decode"]
-            self._prefill = [w for w in workers if w.role == "prefill"]
-        except Exception as e:  # noqa: BLE001 - a Redis blip: keep routing to the workers last seen
-            log.warning("worker registry unreachable: %s", e)
-            if not self._decode:
-                raise NoWorkerError(f"the worker registry is unreachable: {e}") from None
+        except Exception as e:  # noqa: BLE001 - Redis away: keep routing to the workers last seen
+            self._registry_error = e
+            self._registry_outage.failed(e)
             return
+        self._registry_error, self._read_ok_at = None, started
+        self._registry_outage.ok()
+        self._decode = [w for w in workers if w.role == "decode"]
+        self._prefill = [w for w in workers if w.role == "prefill"]
         await self._close_unused_channels({w.grpc_address for w in self._decode})
 
     async def pick_decode(
@@ -121,13 +172,16 @@ class Router:
         """The prefill worker where the prompt costs least: tokens it would compute (past the
         longest prefix it caches) plus the prompt tokens already queued on it. None when no prefill
         worker is up (the decode worker then prefills)."""
-        await self.decode_workers()  # refreshes both lists
+        try:
+            await self.decode_workers()  # refreshes both lists
+        except NoWorkerError:  # nothing read yet: ``pick_decode`` says so, in the API's shape
+            return None
         if not self._prefill:
             return None
         cached = await self._cached_tokens(prompt_token_ids)
 
         def cost(w: WorkerInfo) -> tuple[float, str]:
-            queued = max(w.load.get("queued_prefill_tokens", 0.0), self._queued_tokens[w.grpc_address])
+            queued = max(self._reported(w, "queued_prefill_tokens"), self._queued_tokens[w.grpc_address])
             return len(prompt_token_ids) - cached.get(w.id, 0) + queued, w.id
 
         return min(self._prefill, key=cost)
@@ -144,21 +198,33 @@ class Router:
                 del self._queued_tokens[address]
 
     async def _cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
-        """Worker id -> prompt tokens it caches (longest prefix), or {} without an index."""
+        """Worker id -> prompt tokens it caches (longest prefix), or {} without an index, or while
+        Redis is away (bounded by ``lookup_timeout_s``)."""
         if self._prefix_index is None or len(prompt_token_ids) < self._hasher.block_size:
+            return {}
+        # After a failed lookup, the next ones wait for a registry read that started later to succeed.
+        if self._registry_error is not None or self._lookup_failed_at >= self._read_ok_at:
             return {}
         hashes = self._hasher.hash_blocks(prompt_token_ids)
         try:
-            held = await asyncio.to_thread(self._prefix_index.longest_prefix, hashes)
-        except Exception as e:  # noqa: BLE001 - a Redis blip costs a routing hint, not the request
-            log.warning("prefix index unreachable: %s", e)
+            lookup = self._redis(self._prefix_index.longest_prefix, hashes)
+            held = await asyncio.wait_for(lookup, self._lookup_timeout_s)
+        except Exception as e:  # noqa: BLE001 - Redis away costs a routing hint, not the request
+            self._lookup_failed_at = time.monotonic()
+            self._index_outage.failed(e if str(e) else TimeoutError(f"{self._lookup_timeout_s} s passed"))
             return {}
+        self._index_outage.ok()
         return {worker: blocks * self._hasher.block_size for worker, blocks in held.items()}
+
+    def _reported(self, w: WorkerInfo, name: str) -> float:
+        """A load figure the worker published, or 0 while the registry cannot be read (it is stale:
+        this gateway's own counts are what it has)."""
+        return w.load.get(name, 0.0) if self._registry_error is None else 0.0
 
     def _load_key(self, w: WorkerInfo) -> tuple[float, int, str]:
         # The reported load lags by up to a heartbeat; this gateway's own in-flight count does not,
         # so a burst spreads over the workers before their next beat.
-        reported = w.load.get("num_running", 0.0) + w.load.get("num_waiting", 0.0)
+        reported = self._reported(w, "num_running") + self._reported(w, "num_waiting")
         local = self._in_flight[w.grpc_address]
         return max(reported, local), local, w.id
 
@@ -187,6 +253,10 @@ class Router:
     def decode_stub(self, address: str) -> baton_pb2_grpc.DecodeStub:
         return baton_pb2_grpc.DecodeStub(self._channel(address))
 
+    def health_stub(self, address: str) -> health_pb2_grpc.HealthStub:
+        """gRPC health of a worker, over the channel its requests use."""
+        return health_pb2_grpc.HealthStub(self._channel(address))
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
@@ -200,6 +270,11 @@ class Router:
             await self._channels.pop(address).close()
 
     async def close(self) -> None:
+        if self._refresh is not None and not self._refresh.done():
+            self._refresh.cancel()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+        pool, self._redis_pool = self._redis_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

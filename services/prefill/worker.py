@@ -4,8 +4,15 @@ KV blocks to the decode worker that asked for them, Prometheus metrics and a reg
 The KV of a prompt leaves from ``LLMEngine.on_step_computed`` (the engine thread, right after each
 forward step, while the step's requests still own their blocks): every block that the step
 completed is queued on the transport at once (``KVSender.send`` returns immediately), so earlier
-blocks travel while later chunks compute. On the step that completes the prompt (and samples the
-first token) the hook waits for the last sends before the engine frees the request's blocks.
+blocks travel while later chunks compute.
+
+The engine never waits on a receiver. Each block being sent is held (one more reference, so the
+pool cannot hand it out, and out of any schedule) until its send completes or fails at the
+transport's deadline (``TransferConfig.timeout_s``); then the engine thread lets it go. A request
+that finishes meanwhile frees its blocks as usual, the held ones stay in use until then. The
+Prefill RPC answers once every send has completed (awaited on the event loop, not the engine
+thread): a decode worker that stops reading costs this worker only the blocks held for it, while
+its engine goes on with other prompts.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
 from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, EngineFullError
@@ -34,7 +41,14 @@ from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
 from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
-from baton.common.transfer import KVSender, TransferConfig, TransferDescriptor, make_sender
+from baton.common.transfer import (
+    KVSender,
+    TransferConfig,
+    TransferDescriptor,
+    TransferError,
+    TransferHandle,
+    make_sender,
+)
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.lifecycle import Lifecycle, RpcGate
@@ -68,6 +82,10 @@ class PrefillWorkerConfig:
     """Bound on the model's prefix index in Redis (block hashes)."""
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """KV transport settings; the backend of each sender is the one its destination names."""
+    fault_pause_after_blocks: int = 0
+    """Test-only fault injection (``baton prefill --fault-pause-after-blocks``; 0: off): once the
+    first prompt has had this many blocks sent and landed, the engine thread stops for good, as a
+    worker that dies mid-transfer would (the fault tests then kill or stop the process)."""
 
 
 @dataclass
@@ -87,10 +105,14 @@ class _Job:
     bytes_sent: int = 0
     done: bool = False
     error: str | None = None
+    finished: TransferHandle | None = None
+    """Every send of the prompt (``KVSender.finish``), once its last block was queued."""
+    sends: list[TransferHandle] = field(default_factory=list)
 
 
 class _TransferCollector:
-    """``baton:kv_transfer_bytes`` and ``baton:kv_transfer_failures`` (counters), read at scrape."""
+    """``baton:kv_transfer_bytes`` and ``baton:kv_transfer_failures`` (counters) and
+    ``baton:kv_blocks_held_for_transfer`` (a gauge), read at scrape."""
 
     def __init__(self, worker: PrefillWorker, labels: dict[str, str]):
         self.worker = worker
@@ -108,6 +130,13 @@ class _TransferCollector:
             c = CounterMetricFamily(name, doc, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), value)
             yield c
+        g = GaugeMetricFamily(
+            "baton:kv_blocks_held_for_transfer",
+            "KV blocks held until their send to a decode worker completes or times out.",
+            labels=list(self.labels),
+        )
+        g.add_metric(list(self.labels.values()), self.worker.blocks_held)
+        yield g
 
 
 class PrefillServicer(baton_pb2_grpc.PrefillServicer):
@@ -182,8 +211,10 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             w.jobs.pop(rid, None)
+            if not job.done:  # aborted: its sends are not waited for (their blocks are still held)
+                job.sender.finish(rid)
         if job.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, job.error)
+            await context.abort(grpc.StatusCode.DATA_LOSS, job.error)
         if first is None or not first.token_ids:
             reason = first.finish_reason if first is not None else "no output"
             code = grpc.StatusCode.CANCELLED if reason == "abort" else grpc.StatusCode.INTERNAL
@@ -191,6 +222,11 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
         assert first is not None
         if not job.done:  # cannot happen unless the engine skipped the hook
             await context.abort(grpc.StatusCode.INTERNAL, f"KV of {rid!r} was not sent")
+        error = await w.sent(job)
+        if error is not None:
+            # DATA_LOSS, not UNAVAILABLE: this worker is alive and says the KV did not all arrive
+            # (and may have let go of blocks the receiver was still reading): recompute it all.
+            await context.abort(grpc.StatusCode.DATA_LOSS, error)
         cached = first.num_cached_tokens
         return baton_pb2.PrefillResponse(
             request_id=rid,
@@ -258,6 +294,10 @@ class PrefillWorker:
         self.transfer_failures_total = 0
         self.num_sends_total = 0
         """``KVSender.send`` calls (one per step per prompt that completed blocks): for tests."""
+        self.blocks_held = 0
+        """Blocks held for sends not completed yet (``baton:kv_blocks_held_for_transfer``)."""
+        self._fault_tripped = False
+        self._fault_resume = threading.Event()
         self._senders: dict[str, KVSender] = {}
         self._senders_lock = threading.Lock()
         self._connect_locks: dict[str, asyncio.Lock] = {}
@@ -324,8 +364,9 @@ class PrefillWorker:
                 }
 
             self._heartbeat, _ = start_heartbeat(
-                cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load
-            )
+                cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load,
+                publisher=self._publisher, engine=self.engine,
+            )  # fmt: skip
         log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 
     # -- senders ---------------------------------------------------------------------------------
@@ -365,7 +406,7 @@ class PrefillWorker:
 
     # -- the engine thread -----------------------------------------------------------------------
     def _on_step_computed(self, sched: SchedulerOutput) -> None:
-        """Push the blocks each active job's chunk completed; on its last chunk, wait for them."""
+        """Push the blocks each active job's chunk completed (never waiting for them)."""
         if not self.jobs:
             return
         bs = self.config.engine.block_size
@@ -387,20 +428,65 @@ class PrefillWorker:
             dst = [job.dst_block_ids[i - job.skip_blocks] for i in range(job.next_block, available)]
             if not job.started:
                 job.started = time.monotonic()
-            job.sender.send(job.request_id, src, dst)
+            handle = job.sender.send(job.request_id, src, dst)
+            self._hold(src, handle)
+            job.sends.append(handle)
             self.num_sends_total += 1
             job.next_block = available
-        if not complete:
+            self._maybe_pause_for_fault(job)
+        if complete:
+            job.done = True
+            job.finished = job.sender.finish(job.request_id)
+
+    def _hold(self, block_ids: list[int], handle: TransferHandle) -> None:
+        """Keep blocks that a send reads from out of the pool until the send completes or fails
+        (the engine may finish or preempt their request meanwhile): one more reference each, let
+        go on the engine thread."""
+        assert self.engine is not None
+        engine, pool = self.engine, self.engine.engine.pool
+        blocks = [pool.blocks[i] for i in block_ids]
+        pool.touch(blocks)
+        self.blocks_held += len(blocks)
+
+        def let_go(llm: LLMEngine) -> None:
+            llm.pool.free_blocks(reversed(blocks))
+            self.blocks_held -= len(blocks)
+
+        handle.add_done_callback(lambda _: engine.call_soon(let_go))
+
+    def _maybe_pause_for_fault(self, job: _Job) -> None:
+        """``fault_pause_after_blocks`` (test only): stop the engine thread once the first prompt's
+        first N blocks have landed, as if the worker died mid-transfer."""
+        n = self.config.fault_pause_after_blocks
+        if not n or self._fault_tripped or job.next_block - job.skip_blocks < n:
             return
-        job.done = True
-        handle = job.sender.finish(job.request_id)
-        if job.error is not None:
-            return
-        handle.wait(self.config.transfer.timeout_s)
-        job.bytes_sent = handle.nbytes
-        self.bytes_sent_total += handle.nbytes
+        self._fault_tripped = True
+        for handle in job.sends:
+            handle.wait(self.config.transfer.timeout_s)
+        log.warning(
+            "FAULT INJECTION (test only): the engine stops after %d blocks of %s",
+            job.next_block - job.skip_blocks,
+            job.request_id,
+        )
+        self._fault_resume.wait()  # until stop(): the tests kill or stop the process meanwhile
+
+    async def sent(self, job: _Job) -> str | None:
+        """Wait (on the event loop) until every send of a finished job has completed; None when all
+        did, else what failed. Bounded: each send fails at the transport's deadline."""
+        assert job.finished is not None
+        timeout = self.config.transfer.timeout_s
+        try:
+            await job.finished.wait_async(timeout + 5.0)
+        except TransferError as e:
+            self.transfer_failures_total += 1
+            self._drop_sender(job.sender_key, job.sender)
+            log.warning("KV transfer of %r failed: %s", job.request_id, e)
+            return f"KV transfer of {job.request_id!r} failed: {e}"
+        job.bytes_sent = job.finished.nbytes
+        self.bytes_sent_total += job.finished.nbytes
         if self._transfer_seconds is not None and job.started:
             self._transfer_seconds.observe(time.monotonic() - job.started)
+        return None
 
     def _fail(self, job: _Job, message: str) -> None:
         log.warning("%s", message)
@@ -424,6 +510,7 @@ class PrefillWorker:
             self._heartbeat.stop()  # deletes the key: decode workers stop picking it at their next read
 
     async def stop(self) -> None:
+        self._fault_resume.set()
         if self._stopped:
             return
         self._stopped = True

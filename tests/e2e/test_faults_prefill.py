@@ -1,0 +1,283 @@
+"""A dead prefill worker costs latency, never the request, and never stalls others (issue 10, part 3).
+
+Real parts: a real Redis, real gRPC, UCX between real processes, a tiny random Llama. Prefill
+worker A is a ``baton prefill`` process with the test-only fault flag: it stops its engine once its
+first prompt's first 40 blocks have landed, so a transfer is deterministically in progress when the
+test kills it. Prefill worker B and decode worker D1 live in this process, so that their books can
+be read; decode worker D2 is a process, to be frozen (SIGSTOP) as a receiver that stops reading. A
+hung prefill worker (alive to the kernel, answering nothing) is noticed by the decode worker's
+channel keepalive: that is checked against a frozen gRPC server on its own, without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from baton.common.api.convert import params_to_proto
+from baton.common.engine.llm_engine import EngineConfig
+from baton.common.index.registry import WorkerRegistry
+from baton.common.index.server import EmbeddedRedis
+from baton.common.llm import LLM, SamplingParams
+from baton.common.transfer import TransferConfig
+from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
+from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig
+
+from .fault_cluster import ENGINE_FLAGS, LoopThread, WorkerProcess, metric, tiny_model, wait_for
+
+pytestmark = pytest.mark.slow
+
+PAUSE_BLOCKS = 40
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = 1500  # tokens: 94 blocks, ~24 prefill steps of 64 tokens
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 40000 + 100 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = tiny_model()
+    logs = tmp_path_factory.mktemp("logs")
+    redis = EmbeddedRedis()
+    url = redis.start()
+    procs: list[WorkerProcess] = []
+    loop = LoopThread()
+    engine = EngineConfig(model=str(model), **ENGINE_FLAGS)
+    # B answers a Prefill whose receiver stops reading within its 3 s transfer deadline.
+    b = PrefillWorker(
+        PrefillWorkerConfig(engine=engine, redis_url=url, transfer=TransferConfig(timeout_s=3.0))
+    )
+    # D1 leaves the decision to the connection: no stall deadline within the test.
+    d1 = DecodeWorker(DecodeWorkerConfig(engine=engine, redis_url=url, prefill_stall_timeout_s=30.0))
+    try:
+        procs.append(
+            WorkerProcess("prefill", model, url, logs, "--fault-pause-after-blocks", str(PAUSE_BLOCKS))
+        )
+        procs.append(WorkerProcess("decode", model, url, logs))
+        loop.run(b.start())  # while the processes start
+        for p in procs:
+            p.wait_ready()
+        loop.run(d1.start())  # after the prefill workers: it connects to all of them at start
+        yield {"model": model, "url": url, "a": procs[0], "d2": procs[1], "b": b, "d1": d1}
+    finally:
+        for p in procs:
+            p.stop()
+        for w in (d1, b):
+            try:
+                loop.run(w.stop(), 60)
+            except Exception:  # noqa: BLE001 - it never started
+                pass
+        loop.close()
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """Greedy tokens of the same tiny model computed here, whole, in one engine."""
+    llm = LLM(model=str(cluster["model"]), **ENGINE_FLAGS)
+    return lambda ids: llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+
+
+def _generate(address: str, rid: str, ids: list[int], prefill_address: str) -> tuple[list[int], float]:
+    """A Generate call's tokens and its time to first token (s)."""
+    started = time.monotonic()
+    first = None
+    tokens: list[int] = []
+    with grpc.insecure_channel(address) as channel:
+        request = baton_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params_to_proto(GREEDY),
+            prefill_address=prefill_address,
+        )
+        for chunk in baton_pb2_grpc.DecodeStub(channel).Generate(request, timeout=120):
+            if chunk.token_ids and first is None:
+                first = time.monotonic() - started
+            tokens += chunk.token_ids
+    assert first is not None, f"{rid}: no token"
+    return tokens, first
+
+
+def _landed(decode: DecodeWorker, rid: str) -> int:
+    progress = decode._receiver.progress(rid)
+    return progress.blocks_landed if progress is not None else 0
+
+
+def _d1(cluster) -> tuple[DecodeWorker, str]:
+    d1 = cluster["d1"]
+    return d1, f"127.0.0.1:{d1.grpc_port}"
+
+
+def test_prefill_worker_killed_mid_transfer_costs_its_request_latency_only(cluster, reference):
+    d1, d1_address = _d1(cluster)
+    a1, b = cluster["a"], cluster["b"]
+    b_address = f"127.0.0.1:{b.grpc_port}"
+    ids, other = _prompt(1, LONG), _prompt(2, 300)
+    metrics = f"http://127.0.0.1:{d1.metrics_port}/metrics"
+    computed_before = metric(metrics, "baton:prompt_tokens_computed_total")
+    kept_before = metric(metrics, "baton:remote_prefill_kept_tokens_total")
+    with ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(_generate, d1_address, "kill-1", ids, a1.address)
+        landed = wait_for(lambda: _landed(d1, "kill-1") >= PAUSE_BLOCKS, 60, "A1 to land its first blocks")
+        landed = _landed(d1, "kill-1")
+        assert landed < -(-LONG // BS), "the transfer was not in progress"
+        bystander = pool.submit(_generate, d1_address, "bystander-1", other, b_address)
+        a1.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        tokens, _ = victim.result(timeout=120)
+        other_tokens, other_ttft = bystander.result(timeout=120)
+    # The request completed, token for token what one engine computes.
+    assert tokens == reference(ids)
+    failure = d1._remote.last_failure
+    assert failure is not None and failure.request_id == "kill-1" and failure.address == a1.address
+    assert 0 <= failure.noticed - killed < 2.0, f"noticed {failure.noticed - killed:.2f} s after the kill"
+    # The blocks that landed were kept: only the rest of the prompt was computed here.
+    assert landed >= PAUSE_BLOCKS and failure.kept_tokens == landed * BS
+    assert metric(metrics, "baton:remote_prefill_kept_tokens_total") - kept_before == landed * BS
+    assert metric(metrics, "baton:prompt_tokens_computed_total") - computed_before == LONG - landed * BS
+    # The other prompt, on the other prefill worker meanwhile, was not held up.
+    assert other_tokens == reference(other) and other_ttft < 5.0
+    # The gateway may go on suggesting A1 until its registry key expires: D1 knows better.
+    again = _prompt(3, 300)
+    computed = metric(metrics, "baton:prompt_tokens_computed_total")
+    after_kill = _generate(d1_address, "after-kill", again, a1.address)
+    assert after_kill[0] == reference(again)
+    assert metric(metrics, "baton:prompt_tokens_computed_total") == computed  # prefilled remotely
+    assert d1._remote.last_failure is failure
+    wait_for(lambda: not d1.engine.engine.has_unfinished_requests(), 30, "D1 to go idle")
+    d1.engine.engine.pool.check_integrity()
+    print(
+        f"\nprefill worker killed mid-transfer: noticed after {failure.noticed - killed:.3f} s, "
+        f"{failure.kept_tokens} of {LONG} prompt tokens kept; the other prefill worker's prompt: "
+        f"TTFT {other_ttft:.2f} s; a prompt sent to the dead one afterwards: TTFT {after_kill[1]:.2f} s"
+    )
+
+
+def test_stopped_receiver_costs_the_prefill_worker_only_the_blocks_it_holds_until_the_deadline(
+    cluster, reference
+):
+    """D2 stops reading (SIGSTOP) with a transfer to it on the way: B's engine goes on serving D1's
+    prompts at full speed, and B lets go of the blocks it held for D2 at the transfer deadline."""
+    d1, d1_address = _d1(cluster)
+    b, d2 = cluster["b"], cluster["d2"]
+    b_address = f"127.0.0.1:{b.grpc_port}"
+    b_metrics = f"http://127.0.0.1:{b.metrics_port}/metrics"
+    baseline = _generate(d1_address, "baseline", _prompt(5, 300), b_address)[1]
+    registry = WorkerRegistry(
+        __import__("redis").Redis.from_url(cluster["url"]), d1.engine.engine.model_name, 6
+    )
+    d2_info = next(w for w in registry.list("decode") if w.grpc_address == d2.address)
+    ids = _prompt(6, LONG)
+    n_blocks = -(-LONG // BS)
+    prefill = baton_pb2.PrefillRequest(  # D2's own request, as D2 would send it: its blocks 10..103
+        request_id="to-stopped",
+        prompt_token_ids=ids,
+        params=params_to_proto(GREEDY),
+        destination=baton_pb2.TransferDescriptor(
+            backend=json.loads(d2_info.kv_address)["backend"], extra_json=d2_info.kv_address
+        ),
+        dst_block_ids=list(range(10, 10 + n_blocks)),
+    )
+    d2.signal(signal.SIGSTOP)
+    try:
+        with grpc.insecure_channel(b_address) as channel, ThreadPoolExecutor(1) as pool:
+            sent = time.monotonic()
+            answer = pool.submit(baton_pb2_grpc.PrefillStub(channel).Prefill, prefill, timeout=60)
+            wait_for(
+                lambda: b.blocks_held > 0 and not b.jobs, 30, "B to finish the prompt and hold its blocks"
+            )
+            assert metric(b_metrics, "baton:kv_blocks_held_for_transfer") > 0
+            # B's engine is free meanwhile: D1's prompts through B run as fast as before.
+            other = _prompt(7, 300)
+            tokens, ttft = _generate(d1_address, "beside-stopped", other, b_address)
+            assert tokens == reference(other) and ttft < max(5.0, 3 * baseline), (ttft, baseline)
+            with pytest.raises(grpc.RpcError) as failed:
+                answer.result(timeout=60)
+            answered = time.monotonic() - sent
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS  # alive, and says the KV did not all go
+        assert answered < 3.0 + 6.0, f"B answered {answered:.1f} s after the request"
+        # Past the transfer deadline, nothing is held and B's pool is whole again.
+        wait_for(lambda: b.blocks_held == 0, 10, "B to let go of the blocks held for D2")
+        freed = time.monotonic() - sent
+        assert metric(b_metrics, "baton:kv_blocks_held_for_transfer") == 0
+        wait_for(lambda: metric(b_metrics, "baton:kv_cache_usage_perc") == 0.0, 10, "B's pool to be all free")
+        b.engine.engine.pool.check_integrity()
+    finally:
+        d2.signal(signal.SIGCONT)
+    # D2, woken, finds its stale blocks from B unexpected (dropped, never landed) and serves on.
+    again = _prompt(8, 300)
+    assert _generate(d2.address, "d2-after", again, b_address)[0] == reference(again)
+    print(
+        f"\nreceiver stopped: a prompt beside it TTFT {ttft:.2f} s (before: {baseline:.2f} s); "
+        f"the stopped one's Prefill answered DATA_LOSS after {answered:.2f} s, blocks freed after {freed:.2f} s"
+    )
+
+
+_FROZEN_SERVER = """
+import asyncio, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from baton.services.worker_base import GRPC_SERVER_OPTIONS
+
+class Slow(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):  # a prefill that takes long
+        await asyncio.sleep(60)
+        return health_pb2.HealthCheckResponse()
+
+async def main():
+    server = grpc.aio.server(options=list(GRPC_SERVER_OPTIONS))
+    health_pb2_grpc.add_HealthServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def test_hung_prefill_worker_is_noticed_by_the_channel_keepalive():
+    """A worker frozen mid-call (SIGSTOP: the kernel keeps its connection open, nothing answers)
+    fails the call within ~2 s on ``RemotePrefill``'s channel, not at the call's deadline. The
+    server takes the workers' own options, so pings this often are accepted, not refused."""
+    import subprocess
+    import sys
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from baton.services.decode.worker import RemotePrefill
+
+    server = subprocess.Popen([sys.executable, "-c", _FROZEN_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(wait_for(server.stdout.readline, 60, "the gRPC server to start"))
+
+        async def call() -> tuple[grpc.StatusCode, float]:
+            address = f"127.0.0.1:{port}"
+            async with grpc.aio.insecure_channel(address, options=list(RemotePrefill.CHANNEL_OPTIONS)) as ch:
+                pending = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+                await asyncio.sleep(2.5)  # the call is open, pings are answered
+                server.send_signal(signal.SIGSTOP)
+                frozen = time.monotonic()
+                try:
+                    await pending
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), time.monotonic() - frozen
+                raise AssertionError("the call to a frozen server succeeded")
+
+        code, noticed = asyncio.run(call())
+        assert code == grpc.StatusCode.UNAVAILABLE and noticed < 2.5, (code, noticed)
+        print(f"\nfrozen prefill worker: its call failed {noticed:.2f} s after SIGSTOP")
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(10)
