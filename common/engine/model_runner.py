@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from baton.common.engine.request import Request
-from baton.common.engine.sampler import SampleResult, sample
+from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
 from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
@@ -197,8 +197,8 @@ class ModelRunner:
         rows = hidden[inputs.logits_indices]
         params = [requests[rid].sampling_params for rid in inputs.sample_ids]
         if all(p.greedy and p.logprobs is None for p in params):
-            # No fp32 logits here: the hidden rows are checked instead ([S, hidden], ~1 us). Finite
-            # hidden states and finite weights give finite logits.
+            # No fp32 logits here: the hidden rows are checked instead ([S, hidden], a few us).
+            # Finite hidden states and finite weights give finite logits.
             result = SampleResult(self.model.greedy_tokens(rows).tolist(), bad_rows=_non_finite_rows(rows))
         else:
             logits = self.model.compute_logits(rows)
@@ -217,7 +217,7 @@ class RunnerOutput:
 
 
 def _non_finite_rows(rows: torch.Tensor) -> tuple[int, ...]:
-    finite = torch.isfinite(rows).all(dim=-1)
+    finite = finite_rows(rows)
     return () if bool(finite.all()) else tuple(torch.nonzero(~finite).view(-1).tolist())
 
 
