@@ -57,6 +57,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
+    # The queue caps' defaults bound what a worker holds for queued requests (their token ids, ~10 MB
+    # at the token cap) and how long they wait (the token cap is 128 full 2048-token steps), yet sit
+    # 16x above W2 all at once (64 prompts of 256 tokens: 64 requests, 16k tokens): load that can be
+    # served is never refused; past them a request would wait minutes, so another worker, or the
+    # client's retry, serves it sooner.
     max_waiting_requests: int = 1024
     """Most requests not yet running (waiting, preempted, parked for a remote prefill); past it a
     new one is refused (``EngineFullError``)."""
