@@ -300,9 +300,37 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         model=a.model,
         redis_url=a.redis_url,
         block_size=a.block_size,
+        max_migrations=a.max_migrations,
+        stream_progress_timeout_s=a.stream_progress_timeout,
         drain_timeout_s=a.drain_timeout,
     )
     return _serve_gateway(config)
+
+
+def _migration_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's request-migration flags (``baton gateway`` and ``baton up``)."""
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times a request may resume on another decode worker when its own fails mid-stream",
+    )
+    p.add_argument(
+        "--stream-progress-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a started stream may go without a token before its worker counts as hung",
+    )
+
+
+def _gateway_flags(a: argparse.Namespace) -> list[str]:
+    """The gateway options of ``baton up``'s flags, for its gateway's command line."""
+    return [
+        "--max-migrations",
+        str(a.max_migrations),
+        "--stream-progress-timeout",
+        str(a.stream_progress_timeout),
+    ]
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -319,6 +347,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             host=a.host,
             port=a.port,
             engine_args=_engine_flags(a),
+            gateway_args=_gateway_flags(a),
             model=a.model,
             ready_timeout_s=a.ready_timeout,
             block_size=a.block_size,
@@ -406,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _engine_args(up, dtype="auto")
     _front_door_args(up)
+    _migration_args(up)
     up.set_defaults(func=cmd_up)
 
     dec = sub.add_parser("decode", help="one decode worker")
@@ -432,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 (default: all)")
     _drain_args(gw)
     _front_door_args(gw)
+    _migration_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -39,6 +39,8 @@ class UpConfig:
     """The gateway's port."""
     engine_args: tuple[str, ...] | list[str] = ()
     """Engine flags passed to every worker."""
+    gateway_args: tuple[str, ...] | list[str] = ()
+    """Flags passed to the gateway."""
     model: str | None = None
     ready_timeout_s: float = 300.0
     block_size: int = 16
@@ -292,8 +294,8 @@ def run_cluster(cfg: UpConfig) -> int:
             str(cfg.port),
             "--redis-url",
             url,
-            *drain,
         ]
+        gateway += [*cfg.gateway_args, *drain]
         if cfg.model:
             gateway += ["--model", cfg.model]
         if front:

@@ -179,16 +179,26 @@ class AsyncEngine:
 
     # -- the caller's side (event loop thread) -------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resume_token_ids: Sequence[int] = (),
+        resume_text_chars: int = 0,
     ) -> AsyncIterator[StreamDelta]:
         """Submit a request and yield its deltas until it finishes. Validation errors raise
         ``ValueError`` here, before anything is queued. Leaving the iteration early (a client
-        that went away) aborts the request and frees its blocks."""
+        that went away) aborts the request and frees its blocks. A migrated request passes the
+        tokens it already streamed (``resume_token_ids``) and the characters of text the client
+        has: its deltas start after both (``LLMEngine.add_request``)."""
         if self.error is not None:
             raise self._dead_error()
-        self.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_request(prompt_token_ids, params, resume_token_ids)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.stop)
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, stream))
+        stream.sent_tokens, stream.sent_text = len(resume_token_ids), max(resume_text_chars, 0)
+        self._commands.put(
+            ("add", request_id, list(prompt_token_ids), params, stream, list(resume_token_ids))
+        )
         finished = False
         try:
             while True:
@@ -218,7 +228,7 @@ class AsyncEngine:
         stepping other requests meanwhile."""
         if self.error is not None:
             raise self._dead_error()
-        self.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.stop)
         reserved: asyncio.Future = loop.create_future()
@@ -326,9 +336,9 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, stream = cmd
+            _, rid, ids, params, stream, resumed = cmd
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, resume_token_ids=resumed)
             except (ValueError, EngineFullError) as e:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 return

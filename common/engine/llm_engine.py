@@ -196,15 +196,43 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
 
+    def validate_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, resume_token_ids: Sequence[int] = ()
+    ) -> None:
+        """What a server checks before it accepts a request: the prompt (``validate_prompt``), and
+        that the prompt and ``max_tokens`` fit in the context together (vLLM's message), so that a
+        request that can never complete is refused instead of cut short. ``resume_token_ids``
+        (a migrated request's output so far) must leave room for at least one more token."""
+        self.validate_prompt(prompt_token_ids)
+        n, limit = len(prompt_token_ids), self.max_model_len
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
+                "completion). Please reduce the length of the prompt or the completion."
+            )
+        if resume_token_ids:
+            vocab = self.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in resume_token_ids):
+                raise ValueError(f"resumed token ids must be in [0, {vocab})")
+            done = len(resume_token_ids)
+            if n + done >= limit or (params.max_tokens is not None and done >= params.max_tokens):
+                raise ValueError(f"resumed output of {done} tokens leaves nothing to generate")
+
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         prompt: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
+        """Queue a request. ``resume_token_ids`` continues one that another worker started (request
+        migration): they become its output so far, recomputed with the prompt like a preempted
+        request's, and count against ``max_tokens``; a seeded request's generator skips the draws
+        they took, so that sampling goes on where it stopped (greedy output is token-identical)."""
         self.validate_prompt(prompt_token_ids)
-        self.check_queue_room(len(prompt_token_ids))
+        self.check_queue_room(len(prompt_token_ids) + len(resume_token_ids))
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -212,10 +240,14 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_time=next(self._counter),
         )
+        for t in resume_token_ids:  # their log-probabilities were sent already: placeholders
+            req.append_output(t, 0.0 if params.logprobs is not None else None)
         self.scheduler.add_request(req)
         self._prompts[request_id] = prompt
         if params.seed is not None:
-            self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            if resume_token_ids and not params.greedy:
+                torch.rand(len(resume_token_ids), dtype=torch.float64, generator=gen)
 
     def check_queue_room(self, num_tokens: int) -> None:
         """Raise ``EngineFullError`` unless one more request of ``num_tokens`` tokens fits under the
@@ -493,7 +525,7 @@ class LLMEngine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             finished=req.is_finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=min(max(req.num_cached_tokens, 0), req.num_prompt_tokens),
         )
 
     def _forget(self, request_id: str) -> None:

@@ -107,7 +107,7 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         try:
             params = params_from_proto(request.params)
-            self.engine.engine.validate_prompt(request.prompt_token_ids)
+            self.engine.engine.validate_request(request.prompt_token_ids, params, request.resume_token_ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         start = last = time.perf_counter()
@@ -148,6 +148,10 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
 
     def _deltas(self, request, params):
         ids = list(request.prompt_token_ids)
+        if request.resume_token_ids:  # migrated here mid-stream: recomputed here, as a preemption is
+            return self.engine.generate(
+                request.request_id, ids, params, request.resume_token_ids, request.resume_text_chars
+            )
         if self.remote is not None and len(ids) >= self.remote.threshold:
             prefill = functools.partial(self.remote.prefill, request, params)
             return self.engine.generate_remote(request.request_id, ids, params, prefill)

@@ -76,6 +76,10 @@ class GatewayConfig:
     """The workers' KV block size: prompts are hashed in blocks of it for prefix-aware routing."""
     prefix_index_max_entries: int = 1_000_000
     """Bound of the model's prefix index (the workers use the same)."""
+    max_migrations: int = 3
+    """Times one decode request may resume on another decode worker after its own fails."""
+    stream_progress_timeout_s: float = 10.0
+    """A started stream with no chunk for this long is taken as a hung worker and migrated."""
     max_choices: int = 128
     """Most choices (prompts x ``n``) one request may ask for."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -103,7 +107,13 @@ class Gateway:
         self.served_model = config.served_model_name or registry_model
         self.router = router
         self.metrics = GatewayMetrics(self.served_model)
-        self.dispatcher = Dispatcher(router, self.metrics, config.request_timeout_s)
+        self.dispatcher = Dispatcher(
+            router,
+            self.metrics,
+            config.request_timeout_s,
+            max_migrations=config.max_migrations,
+            progress_timeout_s=config.stream_progress_timeout_s,
+        )
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
 

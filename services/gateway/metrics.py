@@ -49,6 +49,13 @@ class GatewayMetrics:
             ["stage"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "baton:request_migrations",
+            "Decode requests resumed on another decode worker after theirs failed mid-stream, by why "
+            "(the worker's stream failed, or it sent nothing within the progress deadline).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
         self.admitted = Gauge(
             "baton:gateway_requests_admitted",
             "Generation requests holding an admission slot (a stream holds one until it ends).",
@@ -73,6 +80,9 @@ class GatewayMetrics:
     def chunk_written(self, chunk) -> None:
         if chunk.published_unix_s:
             self._lag_written.observe(time.time() - chunk.published_unix_s)
+
+    def migrated(self, reason: str) -> None:
+        self.migrations.labels(model_name=self._model_name, reason=reason).inc()
 
     def rejection(self, reason: str) -> Callable[[], None]:
         """What counts one refusal for ``reason``."""
