@@ -224,10 +224,10 @@ def test_stopped_receiver_costs_the_prefill_worker_only_the_blocks_it_holds_unti
 
 
 _FROZEN_SERVER = """
-import asyncio, sys
+import asyncio, json, sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from baton.services.worker_base import GRPC_SERVER_OPTIONS
+GRPC_SERVER_OPTIONS = [tuple(o) for o in json.loads(sys.argv[1])]
 
 class Slow(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):  # a prefill that takes long
@@ -256,8 +256,12 @@ def test_hung_prefill_worker_is_noticed_by_the_channel_keepalive():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from baton.services.decode.worker import RemotePrefill
+    from baton.services.worker_base import GRPC_SERVER_OPTIONS
 
-    server = subprocess.Popen([sys.executable, "-c", _FROZEN_SERVER], stdout=subprocess.PIPE, text=True)
+    options = json.dumps(GRPC_SERVER_OPTIONS)  # passed in: the server needs grpc only, not torch
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_SERVER, options], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(wait_for(server.stdout.readline, 60, "the gRPC server to start"))
 
