@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -54,7 +55,48 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     p.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 or 0-1 (default: all)")
     _drain_args(p)
+    _tls_args(p)
     _engine_args(p, dtype="auto")
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    """TLS for the internal gRPC (every service; ``services/grpc_tls.py``)."""
+    p.add_argument(
+        "--grpc-tls-cert", default=None, help="PEM certificate chain: serve and call gRPC over TLS"
+    )
+    p.add_argument("--grpc-tls-key", default=None, help="its PEM private key")
+    p.add_argument(
+        "--grpc-tls-ca",
+        default=None,
+        help="PEM CA of the other services: verify them, and require their client certificates (mutual TLS)",
+    )
+
+
+def _tls(a: argparse.Namespace):
+    """The ``GrpcTLS`` of ``a``'s flags (ValueError for a bad combination or a missing file)."""
+    from baton.services.grpc_tls import GrpcTLS
+
+    return GrpcTLS(a.grpc_tls_cert, a.grpc_tls_key, a.grpc_tls_ca)
+
+
+def _bad_tls(a: argparse.Namespace) -> int | None:
+    """2 (after saying why) when ``a``'s TLS flags cannot work, else None."""
+    try:
+        _tls(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _tls_flags(a: argparse.Namespace) -> list[str]:
+    """``a``'s TLS flags, for a child's command line (paths only: no secret is on it)."""
+    flags = []
+    for name in ("cert", "key", "ca"):
+        value = getattr(a, f"grpc_tls_{name}")
+        if value:
+            flags += [f"--grpc-tls-{name}", os.path.abspath(value)]
+    return flags
 
 
 def _pin(a: argparse.Namespace, torch_threads: bool = True) -> int | None:
@@ -224,13 +266,14 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
         redis_url=a.redis_url,
         worker_id=a.worker_id,
         transfer=TransferConfig(backend=a.kv_transport, host=a.host),
+        grpc_tls=_tls(a),
     )
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
     from baton.services.decode.worker import DecodeWorkerConfig, serve
 
-    if (code := _pin(a)) is not None:
+    if (code := _bad_tls(a) or _pin(a)) is not None:
         return code
     config = DecodeWorkerConfig(
         **_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold, colocated=a.colocated
@@ -241,7 +284,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
 def cmd_prefill(a: argparse.Namespace) -> int:
     from baton.services.prefill.worker import PrefillWorkerConfig, serve
 
-    if (code := _pin(a)) is not None:
+    if (code := _bad_tls(a) or _pin(a)) is not None:
         return code
     config = PrefillWorkerConfig(**_worker_kwargs(a), fault_pause_after_blocks=a.fault_pause_after_blocks)
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
@@ -289,7 +332,7 @@ def _front_door(a: argparse.Namespace) -> dict | None:
 def cmd_gateway(a: argparse.Namespace) -> int:
     from baton.services.gateway.app import GatewayConfig
 
-    if (code := _pin(a, torch_threads=False)) is not None:
+    if (code := _bad_tls(a) or _pin(a, torch_threads=False)) is not None:
         return code
     if (front := _front_door(a)) is None:
         return 2
@@ -303,6 +346,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         max_migrations=a.max_migrations,
         stream_progress_timeout_s=a.stream_progress_timeout,
         drain_timeout_s=a.drain_timeout,
+        grpc_tls=_tls(a),
     )
     return _serve_gateway(config)
 
@@ -336,6 +380,8 @@ def _gateway_flags(a: argparse.Namespace) -> list[str]:
 def cmd_up(a: argparse.Namespace) -> int:
     from baton.services.up import UpConfig, run_cluster
 
+    if (code := _bad_tls(a)) is not None:
+        return code
     if (front := _front_door(a)) is None:
         return 2
     return run_cluster(
@@ -348,6 +394,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             port=a.port,
             engine_args=_engine_flags(a),
             gateway_args=_gateway_flags(a),
+            tls_args=_tls_flags(a),
             model=a.model,
             ready_timeout_s=a.ready_timeout,
             block_size=a.block_size,
@@ -436,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(up, dtype="auto")
     _front_door_args(up)
     _migration_args(up)
+    _tls_args(up)
     up.set_defaults(func=cmd_up)
 
     dec = sub.add_parser("decode", help="one decode worker")
@@ -463,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     _drain_args(gw)
     _front_door_args(gw)
     _migration_args(gw)
+    _tls_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -41,6 +41,8 @@ class UpConfig:
     """Engine flags passed to every worker."""
     gateway_args: tuple[str, ...] | list[str] = ()
     """Flags passed to the gateway."""
+    tls_args: tuple[str, ...] | list[str] = ()
+    """The internal gRPC's TLS flags, passed to every service (``services/grpc_tls.py``)."""
     model: str | None = None
     ready_timeout_s: float = 300.0
     block_size: int = 16
@@ -278,7 +280,7 @@ def run_cluster(cfg: UpConfig) -> int:
             for i in range(count):
                 args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
                 args += ["--kv-transport", cfg.kv_transport, "--dtype", layout.dtype, *cfg.engine_args]
-                args += drain
+                args += [*drain, *cfg.tls_args]
                 if layout.colocated and role == "decode":
                     args.append("--colocated")
                 if pins is not None:
@@ -295,7 +297,7 @@ def run_cluster(cfg: UpConfig) -> int:
             "--redis-url",
             url,
         ]
-        gateway += [*cfg.gateway_args, *drain]
+        gateway += [*cfg.gateway_args, *drain, *cfg.tls_args]
         if cfg.model:
             gateway += ["--model", cfg.model]
         if front:

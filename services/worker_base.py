@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from baton.services.grpc_tls import PLAINTEXT, GrpcTLS, add_port
 from baton.services.lifecycle import RpcGate
 
 
@@ -59,11 +60,16 @@ GRPC_SERVER_OPTIONS = (
 
 
 async def start_grpc(
-    host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None], gate: RpcGate | None = None
+    host: str,
+    port: int,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    gate: RpcGate | None = None,
+    tls: GrpcTLS = PLAINTEXT,
 ) -> tuple[grpc.aio.Server, int]:
     """A started ``grpc.aio`` server with the worker's service and gRPC health (SERVING); returns
     it and the port it bound (``port`` 0 picks one). A ``gate`` guards the work RPCs and gets the
-    health servicer, to report NOT_SERVING when the worker leaves service."""
+    health servicer, to report NOT_SERVING when the worker leaves service. ``tls``: the server's
+    TLS identity (``services/grpc_tls.py``), plaintext by default."""
     interceptors = [gate] if gate is not None else None
     server = grpc.aio.server(interceptors=interceptors, options=list(GRPC_SERVER_OPTIONS))
     add_servicer(server)
@@ -71,7 +77,7 @@ async def start_grpc(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if gate is not None:
         gate.health = health_servicer
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, bound

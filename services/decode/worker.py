@@ -41,6 +41,8 @@ from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector, stream_handoff
 from baton.common.transfer import TransferConfig, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
+from baton.services.grpc_tls import channel as tls_channel
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
     build_engine,
@@ -65,6 +67,8 @@ class DecodeWorkerConfig:
     metrics_port: int = 0
     redis_url: str | None = None
     """Registry to join; None runs unregistered (tests, a single worker)."""
+    grpc_tls: GrpcTLS = PLAINTEXT
+    """TLS of this worker's gRPC server and of its channels to prefill workers."""
     worker_id: str = ""
     """Defaults to ``decode-<host>-<pid>-<random>``."""
     heartbeat_ttl_s: float = 6.0
@@ -238,6 +242,7 @@ class RemotePrefill:
         """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
         self.results: dict[str, baton_pb2.PrefillResponse] = {}
         """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
+        self.tls = config.grpc_tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
         self.failures_total = 0
@@ -246,7 +251,7 @@ class RemotePrefill:
 
     def _stub(self, address: str) -> baton_pb2_grpc.PrefillStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=list(self.CHANNEL_OPTIONS))
+            self._channels[address] = tls_channel(address, self.tls, self.CHANNEL_OPTIONS)
         return baton_pb2_grpc.PrefillStub(self._channels[address])
 
     async def prefill(
@@ -519,6 +524,7 @@ class DecodeWorker:
                 DecodeServicer(self.engine, metrics, remote, stream_handoff(registry, labels)), srv
             ),
             self._gate,
+            cfg.grpc_tls,
         )
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)

@@ -45,6 +45,7 @@ from baton.services.gateway.readiness import Readiness
 from baton.services.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, TokenText
 from baton.services.gateway.router import Router
 from baton.services.gateway.streaming import ClientGone, SSEResponse, collect, events, unless_disconnected
+from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class GatewayConfig:
     ~0.5 MB as English text, ~3 MB as fully escaped non-ASCII text."""
     log_level: str = "info"
     """uvicorn's log level."""
+    grpc_tls: GrpcTLS = PLAINTEXT
+    """TLS of the gateway's channels to the decode workers (``services/grpc_tls.py``)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long open requests and streams get to finish (uvicorn's graceful shutdown)."""
 
@@ -234,6 +237,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         config.registry_refresh_s,
         prefix_index=index,
         block_size=config.block_size,
+        tls=config.grpc_tls,
     )
     gw = Gateway(config, load_tokenizer(source), source.name, router)
 

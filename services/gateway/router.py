@@ -23,6 +23,8 @@ from baton.common.engine.hashing import BlockHasher
 from baton.common.index.outage import OutageLog
 from baton.common.index.registry import Role, WorkerInfo, WorkerRegistry
 from baton.protos import baton_pb2_grpc
+from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
+from baton.services.grpc_tls import channel as tls_channel
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +71,14 @@ class Router:
         block_size: int = 16,
         first_read_timeout_s: float = 2.0,
         lookup_timeout_s: float = 0.5,
+        tls: GrpcTLS = PLAINTEXT,
     ) -> None:
         """``prefix_index`` (a ``PrefixIndex``) enables prefix-aware choice; ``block_size`` must be
         the workers' so that prompts hash to the blocks they publish. ``first_read_timeout_s``
         bounds a request's wait for a registry read when there is no worker list yet;
-        ``lookup_timeout_s`` bounds a prefix-index lookup in a request's path."""
+        ``lookup_timeout_s`` bounds a prefix-index lookup in a request's path. ``tls``: the
+        gateway's TLS identity towards the workers (``services/grpc_tls.py``)."""
+        self._tls = tls
         self._registry = registry
         self._prefix_index = prefix_index
         self._hasher = BlockHasher(block_size)
@@ -260,9 +265,7 @@ class Router:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=list(self.CHANNEL_OPTIONS)
-            )
+            channel = self._channels[address] = tls_channel(address, self._tls, self.CHANNEL_OPTIONS)
         return channel
 
     async def _close_unused_channels(self, live: set[str]) -> None:

@@ -51,6 +51,7 @@ from baton.common.transfer import (
 )
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
     build_engine,
@@ -80,6 +81,8 @@ class PrefillWorkerConfig:
     heartbeat_ttl_s: float = 6.0
     prefix_index_max_entries: int = 1_000_000
     """Bound on the model's prefix index in Redis (block hashes)."""
+    grpc_tls: GrpcTLS = PLAINTEXT
+    """TLS of this worker's gRPC server (``services/grpc_tls.py``)."""
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """KV transport settings; the backend of each sender is the one its destination names."""
     fault_pause_after_blocks: int = 0
@@ -344,6 +347,7 @@ class PrefillWorker:
             self.grpc_port,
             lambda srv: baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), srv),
             self._gate,
+            cfg.grpc_tls,
         )
         if cfg.redis_url:
             info = WorkerInfo(
