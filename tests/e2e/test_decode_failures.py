@@ -92,8 +92,12 @@ def test_a_full_waiting_queue_is_resource_exhausted(served, llm_fp32):
     assert next(running).token_ids  # streaming: the only request that may run
     waiting = stub.Generate(_req("waiting"), timeout=120)
     _wait(lambda: engine.scheduler.num_waiting == 1, "the second request to wait")
+    sent = time.perf_counter()
     with pytest.raises(grpc.RpcError) as refused:
         _tokens(stub.Generate(_req("refused"), timeout=60))
+    print(
+        f"[reliability] full queue: RESOURCE_EXHAUSTED {1e3 * (time.perf_counter() - sent):.0f} ms after the call"
+    )
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_waiting_requests=1" in refused.value.details()
     err = rpc_error(refused.value, "prompt")
@@ -119,8 +123,12 @@ def test_a_request_the_engine_failed_is_internal_and_the_next_one_is_served(serv
         return real(*args)
 
     monkeypatch.setattr(engine.runner, "execute", once)
+    sent = time.perf_counter()
     with pytest.raises(grpc.RpcError) as failed:
         _tokens(stub.Generate(_req("fails"), timeout=60))
+    print(
+        f"[reliability] failed request: INTERNAL {1e3 * (time.perf_counter() - sent):.0f} ms after the call"
+    )
     assert failed.value.code() == grpc.StatusCode.INTERNAL
     assert "injected step fault" in failed.value.details()
     assert rpc_error(failed.value, "prompt").status == 500  # not the client's fault

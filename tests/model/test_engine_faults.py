@@ -210,9 +210,20 @@ def test_a_failed_request_raises_from_its_stream_and_the_engine_serves_on(llm_fp
     try:
 
         async def main():
+            start = time.perf_counter()
             with pytest.raises(RequestFailedError, match="injected"):
                 await _drain(ae.generate("x", PROMPT, GREEDY))
-            return await _drain(ae.generate("y", PROMPT, GREEDY))
+            failed = time.perf_counter()
+            tokens, first = [], None
+            async for d in ae.generate("y", PROMPT, GREEDY):
+                if first is None and d.token_ids:
+                    first = time.perf_counter()
+                tokens += d.token_ids
+            print(
+                f"[reliability] failed request: its stream raised {1e3 * (failed - start):.0f} ms after "
+                f"it was sent; the next request's first token {1e3 * (first - failed):.0f} ms later"
+            )
+            return tokens
 
         assert asyncio.run(asyncio.wait_for(main(), 120)) == refs["prompt"]
         assert ae.is_running and ae.error is None
@@ -224,9 +235,12 @@ def test_a_failed_request_raises_from_its_stream_and_the_engine_serves_on(llm_fp
 def test_a_fatal_engine_fails_every_stream_and_calls_on_fatal_once(llm_fp32, monkeypatch):
     engine = _engine(llm_fp32)
     fatal: list[BaseException] = []
-    ae = AsyncEngine(engine, on_fatal=fatal.append)
+    fatal_at: list[float] = []
+    ae = AsyncEngine(engine, on_fatal=lambda e: (fatal_at.append(time.perf_counter()), fatal.append(e)))
     ae.start()
     boom = RuntimeError("injected fatal")
+
+    marks: list[float] = []  # the fault, then its stream raising
 
     def dead_step(*args, **kwargs):
         raise boom
@@ -235,9 +249,11 @@ def test_a_fatal_engine_fails_every_stream_and_calls_on_fatal_once(llm_fp32, mon
         stream = ae.generate("s", PROMPT, LONG)
         first = await stream.__anext__()  # streaming, then the engine dies under it
         assert first.token_ids
+        marks.append(time.perf_counter())
         monkeypatch.setattr(engine, "step", dead_step)
         with pytest.raises(EngineDeadError) as got:
             await _drain(stream)
+        marks.append(time.perf_counter())
         assert got.value.__cause__ is boom
         with pytest.raises(EngineDeadError):  # and so does every later request
             await _drain(ae.generate("later", OTHER, GREEDY))
@@ -255,6 +271,10 @@ def test_a_fatal_engine_fails_every_stream_and_calls_on_fatal_once(llm_fp32, mon
             assert time.monotonic() < deadline, "on_fatal was never called"
             time.sleep(0.01)
         assert fatal == [boom]
+        print(
+            f"[reliability] fatal engine: the open stream raised EngineDeadError {1e3 * (marks[1] - marks[0]):.0f}"
+            f" ms after the fault; on_fatal ran {1e3 * (fatal_at[0] - marks[0]):.0f} ms after it"
+        )
         assert not ae.is_running and ae.error is boom
     finally:
         ae.stop()
