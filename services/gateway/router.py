@@ -60,6 +60,7 @@ class Router:
     CHANNEL_OPTIONS = (
         ("grpc.keepalive_time_ms", 2000),
         ("grpc.keepalive_timeout_ms", 2000),
+        ("grpc.http2.ping_timeout_ms", 2000),  # grpcio 1.85 enforces the ack wait only with this
         ("grpc.http2.max_pings_without_data", 0),
     )
 

@@ -246,17 +246,26 @@ asyncio.run(main())
 """
 
 
-def test_hung_prefill_worker_is_noticed_by_the_channel_keepalive():
+@pytest.mark.parametrize("caller", ["decode worker -> prefill", "gateway -> decode"])
+def test_a_hung_worker_is_noticed_by_the_channel_keepalive(caller):
     """A worker frozen mid-call (SIGSTOP: the kernel keeps its connection open, nothing answers)
-    fails the call within ~2 s on ``RemotePrefill``'s channel, not at the call's deadline. The
-    server takes the workers' own options, so pings this often are accepted, not refused."""
+    fails the call within seconds on the callers' channels (``RemotePrefill``'s, ~2 s; the
+    gateway's ``Router``'s, ~4 s: also before a stream's first token, when the gateway's progress
+    deadline does not apply yet), not at the call's deadline. The server takes the workers' own
+    options, so pings this often are accepted, not refused."""
     import subprocess
     import sys
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from baton.services.decode.worker import RemotePrefill
+    from baton.services.gateway.router import Router
     from baton.services.worker_base import GRPC_SERVER_OPTIONS
+
+    channel_options, bound = {
+        "decode worker -> prefill": (RemotePrefill.CHANNEL_OPTIONS, 2.5),
+        "gateway -> decode": (Router.CHANNEL_OPTIONS, 5.0),
+    }[caller]
 
     options = json.dumps(GRPC_SERVER_OPTIONS)  # passed in: the server needs grpc only, not torch
     server = subprocess.Popen(
@@ -267,7 +276,7 @@ def test_hung_prefill_worker_is_noticed_by_the_channel_keepalive():
 
         async def call() -> tuple[grpc.StatusCode, float]:
             address = f"127.0.0.1:{port}"
-            async with grpc.aio.insecure_channel(address, options=list(RemotePrefill.CHANNEL_OPTIONS)) as ch:
+            async with grpc.aio.insecure_channel(address, options=list(channel_options)) as ch:
                 pending = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
                 await asyncio.sleep(2.5)  # the call is open, pings are answered
                 server.send_signal(signal.SIGSTOP)
@@ -279,8 +288,8 @@ def test_hung_prefill_worker_is_noticed_by_the_channel_keepalive():
                 raise AssertionError("the call to a frozen server succeeded")
 
         code, noticed = asyncio.run(call())
-        assert code == grpc.StatusCode.UNAVAILABLE and noticed < 2.5, (code, noticed)
-        print(f"\nfrozen prefill worker: its call failed {noticed:.2f} s after SIGSTOP")
+        assert code == grpc.StatusCode.UNAVAILABLE and noticed < bound, (code, noticed)
+        print(f"\nfrozen worker ({caller}): its call failed {noticed:.2f} s after SIGSTOP")
     finally:
         server.send_signal(signal.SIGCONT)
         server.kill()
