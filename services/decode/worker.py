@@ -222,10 +222,13 @@ class RemotePrefill:
         worker_id="",
         bytes_per_token: int = 0,
         kv_layout: str = "",
+        known_prefill=lambda: frozenset(),
     ):
         """``locations`` (a started ``LocationRecorder``) records where each transfer lands and its
         state, in the background. ``pick_prefill(exclude)`` is an async function returning the
-        address of a prefill worker not in ``exclude``, or None."""
+        address of a prefill worker not in ``exclude``, or None; ``known_prefill()`` the addresses
+        of the prefill workers in the registry, the only ones this worker ever dials."""
+        self.known_prefill = known_prefill
         self.receiver = receiver
         self.locations = locations
         self.worker_id = worker_id
@@ -301,10 +304,11 @@ class RemotePrefill:
         )
 
     async def _choose(self, suggested: str) -> str | None:
-        """``suggested`` (the gateway's pick), unless it failed lately: then another one."""
+        """``suggested`` (the gateway's pick), unless it failed lately or is no prefill worker of
+        the registry (an address in a request is never dialled as such): then another one."""
         now = time.monotonic()
         self._failed = {a: until for a, until in self._failed.items() if until > now}
-        if suggested and suggested not in self._failed:
+        if suggested and suggested not in self._failed and suggested in self.known_prefill():
             return suggested
         return await self.pick_prefill(frozenset(self._failed))
 
@@ -511,6 +515,7 @@ class DecodeWorker:
                 worker_id=self.worker_id,
                 bytes_per_token=llm_engine.kv_cache[0].nbytes // cfg.engine.block_size,
                 kv_layout=kv_cache_layout(llm_engine.kv_cache),
+                known_prefill=lambda: {w.grpc_address for w in self._prefill_workers},
             )
             registry.register(RemotePrefillCollector(self._remote, labels))
         self.metrics_port = self.metrics_port or free_port(cfg.host)

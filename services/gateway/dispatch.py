@@ -26,7 +26,7 @@ from baton.services.gateway.router import NoWorkerError, Router
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-"""Workers tried for one decode request when they are unreachable before the first token."""
+"""Workers tried for one decode request when they are unreachable, or full, before the first token."""
 MIGRATABLE = frozenset(
     [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN]
 )
@@ -190,6 +190,7 @@ class Dispatcher:
         )
         progress = _Progress()
         tried: list[str] = []
+        refused: APIError | None = None  # the last "queue full" answer, if every worker is full
         deadline = time.monotonic() + self._timeout_s
         with contextlib.ExitStack() as queued:
             if prefill is not None:
@@ -204,6 +205,8 @@ class Dispatcher:
                         exclude=tried, prompt_token_ids=sub.prompt_token_ids
                     )
                 except NoWorkerError as e:
+                    if refused is not None:
+                        raise refused from None  # every worker tried is full: 429, not 503
                     if progress.token_ids:
                         raise unavailable(
                             f"the decode worker failed mid-stream and no other can resume it: {e}",
@@ -228,8 +231,11 @@ class Dispatcher:
                         return  # everything arrived; only the call's ending failed
                     code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
                     if not progress.token_ids:
-                        unreached = code == grpc.StatusCode.UNAVAILABLE
-                        if unreached and len(tried) < MAX_ATTEMPTS - 1:
+                        # Unreachable, or its queue is full: another worker may take it now.
+                        elsewhere = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            refused = rpc_error(e, prompt_param)  # type: ignore[arg-type]
+                        if elsewhere and len(tried) < MAX_ATTEMPTS - 1:
                             self._router.forget(address)
                             tried.append(address)
                             continue

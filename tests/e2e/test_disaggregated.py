@@ -16,7 +16,7 @@ import pytest
 
 from baton.common.api.convert import params_to_proto
 from baton.common.engine.llm_engine import EngineConfig
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
 from baton.common.llm import SamplingParams
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
@@ -147,14 +147,23 @@ def test_short_prompt_is_prefilled_locally(pair, llm_fp32):
     assert _metric(decode, "baton:prompt_tokens_computed_total") - before == len(ids)
 
 
-def test_unreachable_prefill_worker_means_a_local_recompute(pair, llm_fp32):
+def test_a_prefill_address_the_registry_does_not_know_is_never_dialled(pair, llm_fp32):
+    """A request names where to prefill; a decode worker dials only the prefill workers of its
+    registry (a request's address could point anywhere), and prefills on one of those instead."""
+    import socket
+
     decode, _ = pair
     ids = list(range(4000, 4100))
-    before = _metric(decode, "baton:prompt_tokens_computed_total")
-    dead = f"127.0.0.1:{free_port()}"  # nobody listens there
-    tokens = _generate(decode, ids, "fallback-1", prefill_address=dead)
+    before = _metric(decode, "baton:kv_transfer_bytes_total")
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen()
+        trap.settimeout(0.5)
+        tokens = _generate(decode, ids, "stranger-1", prefill_address=f"127.0.0.1:{trap.getsockname()[1]}")
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody came
     assert tokens == llm_fp32.generate([ids], GREEDY)[0].outputs[0].token_ids
-    assert _metric(decode, "baton:prompt_tokens_computed_total") - before == len(ids)
+    assert _metric(decode, "baton:kv_transfer_bytes_total") > before  # the registry's prefill worker did it
     deadline = time.monotonic() + 30
     while decode.engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
