@@ -121,7 +121,9 @@ def test_top_logprobs_are_each_rows_k_most_likely_and_hold_the_chosen_token():
     for row, k in ((0, 5), (2, 20)):
         top = got.top_logprobs[row]
         assert list(top.token_ids) == want.indices[row, :k].tolist()
-        assert torch.allclose(torch.tensor(top.logprobs, dtype=torch.float64), want.values[row, :k], atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(top.logprobs, dtype=torch.float64), want.values[row, :k], atol=1e-5
+        )
         # The chosen token (top-3 sampling: within the top 20) is in the list, with its own logprob.
         assert got.logprobs[row] == top.logprobs[top.token_ids.index(got.token_ids[row])]
     assert got.token_ids[0] == got.top_logprobs[0].token_ids[0]
