@@ -27,6 +27,12 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         help=f"compute dtype; auto: whichever runs the model's GEMMs faster on this CPU (default {dtype})",
     )
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt + max_tokens beyond it is refused (default: the model's)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
@@ -124,6 +130,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         enable_prefix_caching=not a.no_prefix_caching,
         max_waiting_requests=a.max_waiting_requests,
         max_waiting_tokens=a.max_waiting_tokens,
+        max_model_len=a.max_model_len,
     )
 
 
@@ -425,6 +432,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags += ["--model", a.model]
     if a.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if a.max_model_len is not None:
+        flags += ["--max-model-len", str(a.max_model_len)]
     return flags
 
 

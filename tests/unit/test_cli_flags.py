@@ -1,0 +1,18 @@
+"""Engine flags reach the engine's config, and ``baton up`` hands them on to its workers."""
+
+from __future__ import annotations
+
+from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
+
+
+def test_max_model_len_reaches_workers_directly_and_through_baton_up():
+    parser = build_parser()
+    decode = parser.parse_args(["decode", "--max-model-len", "512"])
+    assert _engine_kwargs(decode)["max_model_len"] == 512
+    assert _engine_kwargs(parser.parse_args(["decode"]))["max_model_len"] is None  # the model's own
+    up = parser.parse_args(["up", "--max-model-len", "512"])
+    flags = _engine_flags(up)
+    assert flags[flags.index("--max-model-len") + 1] == "512"
+    handed_on = parser.parse_args(["decode", *flags])
+    assert _engine_kwargs(handed_on)["max_model_len"] == 512
+    assert "--max-model-len" not in _engine_flags(parser.parse_args(["up"]))
