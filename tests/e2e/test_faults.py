@@ -1,8 +1,9 @@
-"""Decode workers that die or hang mid-stream, as real processes behind a real gateway and Redis:
-the gateway migrates each stream to another decode worker, which resumes it from the tokens
-already sent, so every stream completes token-identical to an unfaulted greedy run, with no gap
-and no repeat; with no other worker left, the client gets an error event and ``[DONE]`` within
-5 s. The gateway's migration counter shows the path was taken."""
+"""Decode workers that die or hang mid-stream, as real processes behind a real gateway, Redis and a
+prefill worker whose KV crosses to them over UCX: the gateway migrates each stream to another
+decode worker, which resumes it from the tokens already sent, so every stream completes
+token-identical to an unfaulted greedy run, with no gap and no repeat; with no other worker left,
+the client gets an error event and ``[DONE]`` within 5 s. The gateway's migration counter shows
+the path was taken."""
 
 from __future__ import annotations
 
@@ -23,13 +24,19 @@ from baton.common.index.server import EmbeddedRedis, free_port
 pytestmark = pytest.mark.slow
 
 PROGRESS_TIMEOUT_S = 3.0
+# Long enough (>= 32 tokens) to be prefilled on the prefill worker.
 PROMPTS = [
-    "The history of the printing press began",
-    "Here is a recipe for bread: first,",
-    "Ten facts about the moon: 1.",
-    "def quicksort(xs):",
+    "The history of the printing press began in the fifteenth century, when a goldsmith in Mainz "
+    "put together movable metal type, oil-based ink and a wooden press. Its history",
+    "Here is a recipe for bread that anyone can bake at home with flour, water, salt and yeast, "
+    "and a little patience on a quiet Sunday morning. First,",
+    "Ten facts about the moon, the only natural satellite of the earth and the fifth largest "
+    "moon in the solar system, that every student should know: 1.",
+    "A short Python function that sorts a list of integers with the quicksort algorithm, "
+    "written clearly and with a docstring and comments:\n\ndef quicksort(xs):",
 ]
 MAX_TOKENS = 40
+PREFILL = "prefill-p"
 
 
 class Cluster:
@@ -64,21 +71,23 @@ class Cluster:
             env={k: v for k, v in os.environ.items() if k != "REDIS_URL"},
         )
 
-    def start_worker(self, name: str) -> None:
-        args = ["decode", "--redis-url", self.redis_url, "--colocated", "--dtype", "float32"]
-        self.workers[name] = self._spawn(name, [*args, "--kv-cache-gib", "1", "--worker-id", name])
+    def start_worker(self, name: str, role: str = "decode") -> None:
+        args = [role, "--redis-url", self.redis_url, "--dtype", "float32", "--kv-cache-gib", "1"]
+        self.workers[name] = self._spawn(name, [*args, "--worker-id", name])
 
     def wait_workers(self, names: set[str], timeout: float = 300.0) -> None:
-        """Until the gateway's registry lists exactly ``names`` as decode workers."""
+        """Until the gateway's registry lists exactly ``names`` as decode workers, each connected
+        to the prefill worker."""
         deadline, seen = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            for name in names:
+            for name in {*names, PREFILL}:
                 code = self.workers[name].poll()
                 assert code is None, f"{name} exited with {code}: {self.log(name)}"
             try:
                 found = httpx.get(f"{self.base}/workers", timeout=2).json()["workers"]
-                seen = {w["id"] for w in found if w["role"] == "decode"}
-                if seen == names:
+                decode = [w for w in found if w["role"] == "decode"]
+                seen = {w["id"]: w["load"].get("prefill_connected") for w in decode}
+                if set(seen) == names and all(seen.values()):
                     return
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
@@ -114,6 +123,7 @@ class Cluster:
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("faults"))
     try:
+        c.start_worker(PREFILL, "prefill")
         c.start_worker("decode-a")
         c.start_worker("decode-b")
         c.wait_workers({"decode-a", "decode-b"})
@@ -133,13 +143,16 @@ def _body(prompt: str, stream: bool) -> dict:
     }
 
 
-def _reference(cluster: Cluster) -> list[tuple[list[int], str]]:
-    """The unfaulted run of PROMPTS: token ids and text."""
+def _reference(cluster: Cluster, crossed: bool = False) -> list[tuple[list[int], str]]:
+    """The unfaulted run of PROMPTS: token ids and text. With ``crossed``, check that every prompt
+    was prefilled on the prefill worker (later runs may hit a decode worker's prefix cache)."""
     out = []
     for prompt in PROMPTS:
         r = httpx.post(f"{cluster.base}/v1/completions", json=_body(prompt, False), timeout=120)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
+        if crossed:
+            assert r.json()["usage"].get("kv_transfer_bytes", 0) > 0  # its KV came over UCX
         out.append((choice["token_ids"], choice["text"]))
     return out
 
@@ -213,7 +226,7 @@ def _report(fault: str, streams: list[Stream], at: float) -> None:
 
 
 def test_a_killed_decode_worker_loses_no_stream(cluster):
-    reference = _reference(cluster)
+    reference = _reference(cluster, crossed=True)
     before = cluster.migrations()
     killed: list[float] = []
 
