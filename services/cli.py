@@ -53,7 +53,13 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     """Flags every worker takes (engine flags included)."""
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address other services reach this worker at (default: --host, or this machine's own "
+        "address when --host is 0.0.0.0, as in a container)",
+    )
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--redis-url", default=None, help="registry to join")
@@ -264,15 +270,18 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
     """The config fields a prefill and a decode worker share, from their common flags."""
     from baton.common.engine.llm_engine import EngineConfig
     from baton.common.transfer import TransferConfig
+    from baton.services.worker_base import advertised
 
     return dict(
         engine=EngineConfig(**_engine_kwargs(a)),
         host=a.host,
+        advertise_host=a.advertise_host,
         grpc_port=a.port,
         metrics_port=a.metrics_port,
         redis_url=a.redis_url,
         worker_id=a.worker_id,
-        transfer=TransferConfig(backend=a.kv_transport, host=a.host),
+        # The KV transport listens on, and names in its descriptor, the advertised address.
+        transfer=TransferConfig(backend=a.kv_transport, host=advertised(a.host, a.advertise_host)),
         grpc_tls=_tls(a),
     )
 

@@ -17,6 +17,20 @@ from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS, add_port
 from baton.services.lifecycle import RpcGate
 
+WILDCARD_HOSTS = frozenset(["0.0.0.0", "::", ""])
+
+
+def advertised(host: str, advertise_host: str = "") -> str:
+    """The address a worker bound to ``host`` tells others to reach it at: ``advertise_host`` when
+    given, ``host`` unless it is a wildcard, else this machine's own address (a container's)."""
+    if advertise_host:
+        return advertise_host
+    if host not in WILDCARD_HOSTS:
+        return host
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     """A worker's engine, loaded and warmed up (``LLMEngine.warm_up``): what ``AsyncEngine`` calls

@@ -45,6 +45,7 @@ from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.grpc_tls import channel as tls_channel
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
+    advertised,
     build_engine,
     model_name,
     serve_worker,
@@ -69,6 +70,9 @@ class DecodeWorkerConfig:
     """Registry to join; None runs unregistered (tests, a single worker)."""
     grpc_tls: GrpcTLS = PLAINTEXT
     """TLS of this worker's gRPC server and of its channels to prefill workers."""
+    advertise_host: str = ""
+    """The address other services reach this worker at (its registry record); empty: ``host``,
+    or this machine's address when ``host`` is a wildcard (``0.0.0.0`` in a container)."""
     worker_id: str = ""
     """Defaults to ``decode-<host>-<pid>-<random>``."""
     heartbeat_ttl_s: float = 6.0
@@ -544,9 +548,9 @@ class DecodeWorker:
         info = WorkerInfo(
             id=self.worker_id,
             role="decode",
-            grpc_address=f"{cfg.host}:{self.grpc_port}",
+            grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
             kv_address=self.kv_address,
-            metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+            metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
             settings=worker_settings(llm_engine, colocated=cfg.colocated),
         )
 

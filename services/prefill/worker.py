@@ -54,6 +54,7 @@ from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
+    advertised,
     build_engine,
     model_name,
     serve_worker,
@@ -76,6 +77,9 @@ class PrefillWorkerConfig:
     metrics_port: int = 0
     redis_url: str | None = None
     """Registry to join; None runs unregistered (tests, a single worker)."""
+    advertise_host: str = ""
+    """The address other services reach this worker at (its registry record); empty: ``host``,
+    or this machine's address when ``host`` is a wildcard (``0.0.0.0`` in a container)."""
     worker_id: str = ""
     """Defaults to ``prefill-<host>-<pid>-<random>``."""
     heartbeat_ttl_s: float = 6.0
@@ -353,9 +357,9 @@ class PrefillWorker:
             info = WorkerInfo(
                 id=self.worker_id,
                 role="prefill",
-                grpc_address=f"{cfg.host}:{self.grpc_port}",
+                grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
                 kv_address="",
-                metrics_url=f"http://{cfg.host}:{self.metrics_port}/metrics",
+                metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
                 settings=worker_settings(llm_engine),
             )
 

@@ -16,3 +16,20 @@ def test_max_model_len_reaches_workers_directly_and_through_baton_up():
     handed_on = parser.parse_args(["decode", *flags])
     assert _engine_kwargs(handed_on)["max_model_len"] == 512
     assert "--max-model-len" not in _engine_flags(parser.parse_args(["up"]))
+
+
+def test_workers_advertise_the_address_others_reach_them_at():
+    import socket
+
+    from baton.services.worker_base import advertised
+
+    parser = build_parser()
+    from baton.services.cli import _worker_kwargs
+
+    local = _worker_kwargs(parser.parse_args(["decode"]))
+    assert (local["host"], local["advertise_host"], local["transfer"].host) == ("127.0.0.1", "", "127.0.0.1")
+    pod = _worker_kwargs(parser.parse_args(["prefill", "--host", "0.0.0.0", "--advertise-host", "10.1.2.3"]))
+    assert (pod["host"], pod["transfer"].host) == ("0.0.0.0", "10.1.2.3")  # bind all, name the pod's
+    assert advertised("127.0.0.1") == "127.0.0.1"
+    assert advertised("0.0.0.0", "decode-1") == "decode-1"
+    assert advertised("0.0.0.0") == socket.gethostbyname(socket.gethostname())  # a container's own
