@@ -6,7 +6,6 @@ process (so that their books can be read), and bounded waits that say what they 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -25,60 +24,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.common.index.server import free_port
 
 T = TypeVar("T")
-VOCAB = 49152  # SmolLM2's, so that its tokenizer fits
 ENGINE_FLAGS = dict(dtype="float32", kv_cache_gib=0.02, max_num_batched_tokens=64, max_model_len=4096)
 """Every worker's engine: 64-token steps, so a 1,500-token prompt is ~24 chunks sent as it goes."""
 
 
 def write_tiny_llama(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A random Llama checkpoint (safetensors, Hugging Face names, SmolLM2's tokenizer) in ``path``.
-    Weights are scaled up from a plain normal draw so that greedy decoding has clear winners."""
-    import torch
-    from safetensors.torch import save_file
+    """``tests/e2e/tiny_llama.py``'s checkpoint with this module's context length."""
+    from tests.e2e.tiny_llama import write_tiny_llama as write
 
-    from baton.common.model.source import ModelSource, load_tokenizer
-
-    heads, kv_heads, inter = 4, 2, 2 * hidden
-    head_dim = hidden // heads
-    gen = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * (2.0 / shape[-1] ** 0.5)
-
-    state = {"model.embed_tokens.weight": w(VOCAB, hidden), "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        state |= {
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-        }
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "max_position_embeddings": ENGINE_FLAGS["max_model_len"],
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    load_tokenizer(ModelSource.resolve(None)).save_pretrained(path)
-    return path
+    return write(path, hidden=hidden, layers=layers, max_len=ENGINE_FLAGS["max_model_len"], seed=seed)
 
 
 _TINY: list[Path] = []

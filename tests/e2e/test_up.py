@@ -50,7 +50,7 @@ def test_chat_and_completion_through_the_cluster(cluster, llm_fp32):
     import openai
 
     port, _ = cluster
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)

@@ -23,26 +23,10 @@ from baton.services.gateway.app import GatewayConfig, make_server
 
 
 def build_tiny_llama(path: Path) -> Path:
-    """A random 2-layer Llama with SmolLM2's tokenizer, saved as a safetensors directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random 2-layer Llama with SmolLM2's tokenizer (``tests/e2e/tiny_llama.py``)."""
+    from tests.e2e.tiny_llama import write_tiny_llama
 
-    from baton.common.model.source import ModelSource, load_tokenizer
-
-    tokenizer = load_tokenizer(ModelSource.resolve(None))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return write_tiny_llama(path, hidden=64)
 
 
 def wait_for(check, timeout_s: float, what: str, every_s: float = 0.05):
