@@ -258,7 +258,7 @@ def test_a_hung_worker_is_noticed_by_the_channel_keepalive(caller):
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from baton.services.decode.worker import RemotePrefill
+    from baton.services.decode.remote_prefill import RemotePrefill
     from baton.services.gateway.router import Router
     from baton.services.worker_base import GRPC_SERVER_OPTIONS
 

@@ -1,0 +1,293 @@
+"""The decode worker's side of a remote prefill: it asks a prefill worker to fill blocks it
+reserved, waits for the KV to land, and when the prefill worker fails part-way keeps what landed
+(``LandedPrefix``) so that the engine computes only the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client.core import CounterMetricFamily
+
+from baton.common.api.convert import top_logprobs_from_proto
+from baton.common.engine.llm_engine import LandedPrefix
+from baton.common.engine.scheduler import SampledToken
+from baton.common.transfer import TransferError
+from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.grpc_tls import channel as tls_channel
+
+if TYPE_CHECKING:
+    from baton.services.decode.worker import DecodeWorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class PrefillStalled(Exception):
+    """The transfer of a remote prefill made no progress for ``prefill_stall_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """How one remote prefill failed (the latest is ``RemotePrefill.last_failure``)."""
+
+    request_id: str
+    address: str
+    noticed: float
+    """``time.monotonic()`` when this worker noticed it."""
+    reason: str
+    kept_tokens: int
+    """Prompt tokens whose KV had landed, kept rather than recomputed."""
+
+
+class RemotePrefill:
+    """Asks a prefill worker to fill reserved blocks, and waits for the KV to land.
+
+    A prefill worker that fails mid-prompt costs the request latency, never the request. A dead
+    one fails the Prefill RPC at once (its connection closes); a hung one within ~2 s (gRPC
+    keepalive: a ping every second while the call is open, unanswered for another second); a live
+    one whose transfer stops, after ``prefill_stall_timeout_s`` with no block landing. Then the
+    transfer is given up (``cancel``, and nothing more can land), the blocks that landed whole from
+    the start of the reserved range are kept and only the rest of the prompt is computed here
+    (``LandedPrefix``). The worker is left out of the choice for ``failed_prefill_hold_s``: its
+    registry key outlives it by up to the heartbeat TTL. A prefill worker that answers DATA_LOSS
+    (alive, but its sends failed, so it may have reused blocks this worker was still reading)
+    gets nothing kept: the whole prompt is recomputed.
+    """
+
+    # Keepalive on the channels to prefill workers (their servers accept pings this often:
+    # ``worker_base.GRPC_SERVER_OPTIONS``); only while a call is open. grpcio 1.85 enforces the
+    # wait for the ping's ack through ``ping_timeout_ms``: with ``keepalive_timeout_ms`` alone, a
+    # call to a SIGSTOPped worker hung until its deadline (measured: 1.7 s with it).
+    CHANNEL_OPTIONS = (
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", 1000),
+        ("grpc.http2.ping_timeout_ms", 1000),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+    POLL_S = 0.05
+    """How often an open Prefill RPC's transfer progress is looked at."""
+
+    def __init__(
+        self,
+        receiver,
+        descriptor,
+        pick_prefill,
+        config: DecodeWorkerConfig,
+        locations=None,
+        worker_id="",
+        bytes_per_token: int = 0,
+        kv_layout: str = "",
+        known_prefill=lambda: frozenset(),
+    ):
+        """``locations`` (a started ``LocationRecorder``) records where each transfer lands and its
+        state, in the background. ``pick_prefill(exclude)`` is an async function returning the
+        address of a prefill worker not in ``exclude``, or None; ``known_prefill()`` the addresses
+        of the prefill workers in the registry, the only ones this worker ever dials."""
+        self.known_prefill = known_prefill
+        self.receiver = receiver
+        self.locations = locations
+        self.worker_id = worker_id
+        self.descriptor_json = json.dumps(descriptor.to_dict())
+        self.backend = descriptor.backend
+        self.pick_prefill = pick_prefill
+        self.threshold = config.remote_prefill_threshold
+        self.block_size = config.engine.block_size
+        self.timeout_s = config.prefill_timeout_s
+        self.stall_s = config.prefill_stall_timeout_s
+        self.failed_hold_s = config.failed_prefill_hold_s
+        self.bytes_per_token = bytes_per_token
+        self.kv_layout = kv_layout
+        """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
+        self.results: dict[str, baton_pb2.PrefillResponse] = {}
+        """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
+        self.tls = config.grpc_tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
+        self.failures_total = 0
+        self.kept_tokens_total = 0
+        self.last_failure: RemoteFailure | None = None
+
+    def _stub(self, address: str) -> baton_pb2_grpc.PrefillStub:
+        if address not in self._channels:
+            self._channels[address] = tls_channel(address, self.tls, self.CHANNEL_OPTIONS)
+        return baton_pb2_grpc.PrefillStub(self._channels[address])
+
+    async def prefill(
+        self, request, params, block_ids: list[int], num_cached: int
+    ) -> SampledToken | LandedPrefix | None:
+        """The first token once the prompt's KV is in ``block_ids``; a ``LandedPrefix`` when the
+        remote prefill failed part-way; None to prefill here."""
+        ids = request.prompt_token_ids
+        if len(ids) - num_cached < self.threshold:
+            return None
+        address = await self._choose(request.prefill_address)
+        if not address:
+            return None
+        dst = block_ids[num_cached // self.block_size :]
+        rid = request.request_id
+        handle = self.receiver.expect(rid, dst, self.timeout_s)
+        self._record(rid, dst, "pending")
+        call = self._stub(address).Prefill(
+            self._prefill_request(request, num_cached, dst), timeout=self.timeout_s
+        )
+        try:
+            resp = await self._answer(call, rid)
+            await handle.wait_async(self.timeout_s)
+        except (grpc.aio.AioRpcError, TransferError, PrefillStalled) as e:
+            call.cancel()  # a hung or stalled worker aborts the prompt too
+            return await self._recover(rid, address, handle, dst, num_cached, len(ids), e)
+        except asyncio.CancelledError:
+            call.cancel()
+            await self._release(rid, handle)
+            self._record(rid, dst, "cancelled")
+            raise
+        self._record(rid, dst, "landed")
+        self.results[rid] = resp
+        logprob = resp.first_logprob if params.logprobs is not None else None
+        top = top_logprobs_from_proto(resp.first_top_logprobs) if params.logprobs else None
+        return SampledToken(resp.first_token_id, logprob, top)
+
+    def _prefill_request(self, request, num_cached: int, dst: list[int]) -> baton_pb2.PrefillRequest:
+        return baton_pb2.PrefillRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            params=request.params,
+            destination=baton_pb2.TransferDescriptor(backend=self.backend, extra_json=self.descriptor_json),
+            num_skip_tokens=num_cached,
+            dst_block_ids=dst,
+            kv_layout=self.kv_layout,
+        )
+
+    async def _choose(self, suggested: str) -> str | None:
+        """``suggested`` (the gateway's pick), unless it failed lately or is no prefill worker of
+        the registry (an address in a request is never dialled as such): then another one."""
+        now = time.monotonic()
+        self._failed = {a: until for a, until in self._failed.items() if until > now}
+        if suggested and suggested not in self._failed and suggested in self.known_prefill():
+            return suggested
+        return await self.pick_prefill(frozenset(self._failed))
+
+    async def _answer(self, call, rid: str) -> baton_pb2.PrefillResponse:
+        """The Prefill RPC's answer; ``PrefillStalled`` when no block lands for ``stall_s`` once
+        the transfer has started (a worker with a queue may take long to start a prompt)."""
+        answer = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=self.POLL_S)
+                if done:
+                    return answer.result()
+                progress = self.receiver.progress(rid)
+                if progress is not None and progress.last_landed is not None:
+                    quiet = time.monotonic() - progress.last_landed
+                    if quiet > self.stall_s:
+                        raise PrefillStalled(
+                            f"no KV block landed for {quiet:.1f} s "
+                            f"({progress.blocks_landed} of {progress.blocks_expected} in)"
+                        )
+        finally:
+            answer.cancel()
+
+    async def _recover(
+        self, rid: str, address: str, handle, dst: list[int], num_cached: int, prompt_len: int, error
+    ) -> LandedPrefix | None:
+        """Give the transfer up, and say what of it to keep."""
+        noticed = time.monotonic()
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+        if isinstance(error, PrefillStalled) or code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        ):
+            self._failed[address] = noticed + self.failed_hold_s
+        await self._release(rid, handle)
+        landed = 0
+        if code != grpc.StatusCode.DATA_LOSS and handle.done():
+            landed = next((i for i, b in enumerate(dst) if b not in handle.landed_block_ids), len(dst))
+        kept = max(0, min(num_cached + landed * self.block_size, prompt_len - 1) - num_cached)
+        reason = code.name if code is not None else type(error).__name__
+        self.failures_total += 1
+        self.kept_tokens_total += kept
+        self.last_failure = RemoteFailure(rid, address, noticed, reason, kept)
+        log.warning(
+            "remote prefill of %s via %s failed (%s: %s): %d prompt tokens landed and are kept, the rest "
+            "is computed here",
+            rid,
+            address,
+            reason,
+            error.details() if code is not None else error,
+            kept,
+        )
+        self._record(rid, dst, "failed")
+        return LandedPrefix(num_cached + kept) if kept else None
+
+    async def connect(self, address: str) -> None:
+        """Have the prefill worker at ``address`` connect its KV transport to this worker's
+        receiver now (over the channel later prompts use), not at the first prompt."""
+        await self._stub(address).Connect(
+            baton_pb2.ConnectRequest(
+                destination=baton_pb2.TransferDescriptor(
+                    backend=self.backend, extra_json=self.descriptor_json
+                ),
+                kv_layout=self.kv_layout,
+            ),
+            timeout=min(self.timeout_s, 10.0),
+        )
+
+    def _record(self, rid: str, block_ids: list[int], state: str) -> None:
+        """Publish the transfer's destination and state, in the background (a Redis that is away
+        only loses the record)."""
+        if self.locations is not None:
+            self.locations.record(rid, self.worker_id, block_ids, state)
+
+    async def _release(self, rid: str, handle) -> None:
+        """Stop expecting the transfer and wait until nothing more can land in its blocks (bounded
+        by the receiver's deadlines), even if the request is cancelled meanwhile: its blocks are
+        freed right after this."""
+        self.receiver.cancel(rid)
+        settled = asyncio.ensure_future(self._settled(handle))
+        try:
+            await asyncio.shield(settled)
+        except asyncio.CancelledError:
+            await settled
+            raise
+
+    async def _settled(self, handle) -> None:
+        try:
+            await handle.wait_async(self.timeout_s)
+        except TransferError:
+            pass
+
+    async def close(self) -> None:
+        if self.locations is not None:
+            await asyncio.to_thread(self.locations.close)
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class RemotePrefillCollector:
+    """``baton:remote_prefill_failures`` and ``baton:remote_prefill_kept_tokens`` (counters)."""
+
+    def __init__(self, remote: RemotePrefill, labels: dict[str, str]):
+        self.remote = remote
+        self.labels = labels
+
+    def collect(self):
+        for name, doc, value in (
+            (
+                "baton:remote_prefill_failures",
+                "Remote prefills that failed (the prompt was finished here).",
+                self.remote.failures_total,
+            ),
+            (
+                "baton:remote_prefill_kept_tokens",
+                "Prompt tokens whose KV landed before their remote prefill failed, kept.",
+                self.remote.kept_tokens_total,
+            ),
+        ):
+            c = CounterMetricFamily(name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
