@@ -1,0 +1,385 @@
+"""compose.yaml and its monitoring profile, checked and run for real (no Docker needed).
+
+The file validates against the Compose specification (the ``compose-spec`` parser, after YAML merge
+keys and ``${VAR:-default}`` are resolved as Compose resolves them); Prometheus' config scrapes every
+service at the ports their commands open; the Grafana dashboard's queries parse as PromQL. Then each
+service's command and environment from compose.yaml is started as a local process (the image's
+ENTRYPOINT ``baton`` is this interpreter's ``-m baton.services.cli``; the ``redis`` host is an
+embedded Redis; every port a container opens gets a free local one; ``decode`` runs at its
+``deploy.replicas``), each is waited on with its own healthcheck command, and a chat completion is
+served with the KV moved by the prefill worker. Every metric the dashboard names must be in the live
+services' /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.common.index.server import EmbeddedRedis, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+MONITORING = ROOT / "deploy" / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "dashboards" / "baton.json"
+BATON_SERVICES = ("prefill", "decode", "gateway")
+READY_TIMEOUT_S = 420.0  # three workers load SmolLM2 on a shared 2-core machine
+PROMETHEUS_LABELS = {"job", "instance"}  # added by the scrape, not by the services
+_GRAFANA_MACRO = re.compile(r"\$__(rate_interval|interval|range)")
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """``${VAR}``, ``${VAR:-default}`` and ``${VAR-default}`` as Compose substitutes them."""
+    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+def as_sent(expr: str) -> str:
+    """A panel's query as Grafana sends it: its interval macros replaced by a duration."""
+    return _GRAFANA_MACRO.sub("1m", expr)
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict:
+    return yaml.safe_load(interpolate(COMPOSE.read_text(), env or {}))
+
+
+# -- static checks -------------------------------------------------------------------------------
+def test_compose_validates_against_the_spec():
+    from compose_spec import PyCompose
+
+    spec = PyCompose.from_json(json.dumps(load_compose()))
+    spec.validate()
+    assert {"redis", "gateway", "prefill", "decode"} <= set(spec.service_names())
+
+
+def test_compose_runs_as_the_issue_asks():
+    services = load_compose()["services"]
+    assert services["redis"]["image"].startswith("redis:")
+    for name in BATON_SERVICES:
+        svc = services[name]
+        assert svc["image"] == "baton:latest" and svc["build"] == "."
+        assert svc["restart"] == "unless-stopped"
+        assert svc["command"][0] == name
+        assert svc["healthcheck"]["test"][0] == "CMD"
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert "--advertise-host" not in svc["command"]  # wildcard host: each replica its own IP
+    for pool in ("prefill", "decode"):
+        svc = services[pool]
+        assert svc["deploy"]["replicas"] >= 1 and "ports" not in svc  # no fixed host port: --scale works
+        assert flag(svc["command"], "--host") == "0.0.0.0"
+        assert "UCX_TLS" in svc["environment"]
+        drain = float(flag(svc["command"], "--drain-timeout"))
+        assert seconds(svc["stop_grace_period"]) == drain + 10
+    assert services["decode"]["deploy"]["replicas"] >= 2
+    assert {"prefill", "decode"} <= set(services["gateway"]["depends_on"])
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"]
+
+
+def test_prometheus_scrapes_every_service_at_its_metrics_port():
+    services = load_compose()["services"]
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    expected = {
+        "gateway": ("gateway", flag(services["gateway"]["command"], "--port")),
+        "prefill": ("prefill", flag(services["prefill"]["command"], "--metrics-port")),
+        "decode": ("decode", flag(services["decode"]["command"], "--metrics-port")),
+        "redis": ("redis-exporter", "9121"),
+    }
+    for job, (host, port) in expected.items():
+        assert job in jobs, f"prometheus.yml scrapes no {job!r}"
+        assert f"{host}:{port}" in scrape_targets(jobs[job]), (job, jobs[job])
+    # A scaled pool is found by DNS (every replica's A record), not by a fixed list.
+    for pool in ("prefill", "decode"):
+        assert "dns_sd_configs" in jobs[pool]
+
+
+def test_grafana_provisions_the_dashboard_and_its_queries_parse():
+    import promql_parser
+
+    provisioning = MONITORING / "grafana" / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((provisioning / "dashboards" / "baton.yml").read_text())["providers"]
+    assert providers[0]["options"]["path"] == "/etc/grafana/dashboards"
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("ttft", "itl", "goodput", "queue", "kv cache usage", "kv transfer", "prefix", "migrations"):
+        assert topic in titles, f"no {topic!r} panel"
+    assert "429" in titles
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            promql_parser.parse(as_sent(target["expr"]))  # raises on a query Prometheus would refuse
+
+
+# -- the cluster, from compose.yaml --------------------------------------------------------------
+@dataclass
+class Replica:
+    """One container of a service, run as a local process."""
+
+    service: str
+    argv: list[str]
+    env: dict[str, str]
+    healthcheck: list[str]
+    ports: dict[str, int]  # container port -> local port
+    log: Path
+    proc: subprocess.Popen | None = None
+
+    def local(self, container_port: str | int) -> int:
+        return self.ports[str(container_port)]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)s", duration)
+    assert match, duration
+    return float(match.group(1))
+
+
+def scrape_targets(job: dict) -> set[str]:
+    targets = {t for sc in job.get("static_configs", []) for t in sc["targets"]}
+    for sd in job.get("dns_sd_configs", []):
+        targets |= {f"{name}:{sd['port']}" for name in sd["names"]}
+    return targets
+
+
+def replica(service: str, svc: dict, redis_hostport: str, logs: Path, index: int) -> Replica:
+    """``svc``'s command with the ``redis`` host mapped to ``redis_hostport`` and each port it opens
+    (``--port``, ``--metrics-port``) given a free local one; its healthcheck rewritten to match."""
+    argv = [a.replace("redis:6379", redis_hostport) for a in svc["command"]]
+    ports = {}
+    for name in ("--port", "--metrics-port"):
+        if name in argv:
+            i = argv.index(name) + 1
+            ports[argv[i]] = free_port()
+            argv[i] = str(ports[argv[i]])
+    check = list(svc["healthcheck"]["test"])
+    assert check[0] == "CMD", "a CMD healthcheck runs without a shell"
+    check = [sys.executable if a == "python" else a for a in check[1:]]
+    for container, local in ports.items():
+        check = [a.replace(f"127.0.0.1:{container}", f"127.0.0.1:{local}") for a in check]
+    # A variable without a value is passed through from the shell, as Compose does.
+    given = {k: os.environ.get(k) if v is None else str(v) for k, v in (svc.get("environment") or {}).items()}
+    env = {k: v.replace("redis:6379", redis_hostport) for k, v in given.items() if v is not None}
+    return Replica(service, argv, env, check, ports, logs / f"{service}-{index}.log")
+
+
+def start(r: Replica) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | r.env
+    with open(r.log, "wb") as log:
+        r.proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.services.cli", *r.argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def healthy(r: Replica) -> bool:
+    """Run the service's own healthcheck command once (its exit status, as Docker reads it)."""
+    try:
+        return subprocess.run(r.healthcheck, capture_output=True, timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def wait_healthy(replicas: list[Replica], timeout_s: float) -> None:
+    pending = list(replicas)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for r in list(pending):
+            assert r.proc.poll() is None, f"{r.service} exited {r.proc.returncode}:\n{tail(r)}"
+            if healthy(r):
+                pending.remove(r)
+        if pending:
+            time.sleep(1.0)
+    if pending:
+        pytest.fail(
+            f"not healthy after {timeout_s} s: {[r.service for r in pending]}\n"
+            + "\n".join(tail(r) for r in pending)
+        )
+
+
+def stop(replicas: list[Replica]) -> None:
+    """SIGTERM each (they drain), wait bounded, then make sure each process group is gone."""
+    for r in replicas:
+        if r.proc and r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+    for r in replicas:
+        if r.proc is None:
+            continue
+        try:
+            r.proc.wait(45)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def tail(r: Replica) -> str:
+    return f"--- {r.log.name}\n" + (r.log.read_text(errors="replace")[-3000:] if r.log.exists() else "")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    services = load_compose()["services"]
+    logs = tmp_path_factory.mktemp("compose")
+    redis = EmbeddedRedis()
+    url = redis.start()
+    hostport = url.removeprefix("redis://").split("/")[0]
+    workers = [
+        replica(name, services[name], hostport, logs, i)
+        for name in ("prefill", "decode")
+        for i in range(services[name]["deploy"]["replicas"])
+    ]
+    gateway = replica("gateway", services["gateway"], hostport, logs, 0)
+    everything = [*workers, gateway]
+    try:
+        for r in workers:  # their depends_on is redis only: they start together
+            start(r)
+        wait_healthy(workers, READY_TIMEOUT_S)
+        start(gateway)  # depends_on every pool being healthy
+        wait_healthy([gateway], 120.0)
+        yield {"workers": workers, "gateway": gateway}
+    finally:
+        stop(everything)
+        redis.stop()
+
+
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    """A live /metrics: sample name -> {sorted label items: value}."""
+    return {name: series for name, (series, _) in scrape_families(port).items()}
+
+
+def scrape_families(port: int) -> dict[str, tuple[dict[tuple, float], bool]]:
+    """A live /metrics: sample name -> ({sorted label items: value}, whether the family has
+    samples). A labelled family not yet observed (no migration so far) is served with its HELP and
+    TYPE and no sample: its sample names are those of its type."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, tuple[dict[tuple, float], bool]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, ({}, True))[0][tuple(sorted(s.labels.items()))] = s.value
+        if not family.samples:
+            for suffix in _SAMPLE_SUFFIXES.get(family.type, ("",)):
+                out.setdefault(family.name + suffix, ({}, False))
+    return out
+
+
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+}
+
+
+def metrics_port(r: Replica) -> int:
+    """The local port of ``r``'s /metrics: the gateway serves it on its HTTP port."""
+    return int(flag(r.argv, "--port" if r.service == "gateway" else "--metrics-port"))
+
+
+@pytest.mark.slow
+def test_compose_cluster_serves_a_chat_completion_with_kv_from_the_prefill_worker(cluster):
+    decodes = [r for r in cluster["workers"] if r.service == "decode"]
+    assert len(decodes) == 2
+    before = sum(total(scrape(metrics_port(d)), "baton:kv_transfer_bytes_total") for d in decodes)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{cluster['gateway'].local(8000)}/v1", api_key="none", max_retries=0
+    )
+    prompt = "Describe, in a few sentences, why a container's healthcheck matters. " * 4  # > 32 tokens
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=8,
+        temperature=0.0,
+        timeout=120,
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0
+    moved = (reply.usage.model_extra or {}).get("kv_transfer_bytes", 0)
+    assert moved > 0, reply.usage
+    after = sum(total(scrape(metrics_port(d)), "baton:kv_transfer_bytes_total") for d in decodes)
+    assert after - before == moved
+
+
+def total(samples: dict[str, dict[tuple, float]], name: str) -> float:
+    return sum(samples.get(name, {}).values())
+
+
+@pytest.mark.slow
+def test_every_metric_the_dashboard_names_is_served(cluster):
+    import promql_parser
+
+    live: dict[str, set[str] | None] = {}  # sample name -> label names seen on it (None: no sample yet)
+    for r in [*cluster["workers"], cluster["gateway"]]:
+        for name, (series, observed) in scrape_families(metrics_port(r)).items():
+            if not observed:
+                live.setdefault(name, None)
+                continue
+            labels = live.get(name) or set()
+            for key in series:
+                labels |= {k for k, _ in key}
+            live[name] = labels
+    dashboard = json.loads(DASHBOARD.read_text())
+    named = set()
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            for name, labels in selectors(promql_parser.parse(as_sent(target["expr"]))):
+                named.add(name)
+                assert name in live, f"{panel['title']!r} names {name}, which no service serves"
+                seen = live[name]
+                if seen is not None:  # an unobserved family's labels are unknown until it is
+                    missing = labels - seen - PROMETHEUS_LABELS
+                    assert not missing, f"{panel['title']!r}: {name} has no label {missing}"
+    assert len(named) >= 10
+
+
+def selectors(expr) -> list[tuple[str, set[str]]]:
+    """Every vector selector in a parsed PromQL expression: its metric name and label names."""
+    import promql_parser
+
+    found = []
+    if isinstance(expr, promql_parser.VectorSelector):
+        labels = {m.name for m in expr.matchers.matchers if m.name != "__name__"}
+        found.append((expr.name, labels))
+    for child in _children(expr):
+        found += selectors(child)
+    return found
+
+
+def _children(expr) -> list:
+    out = []
+    for attr in ("expr", "lhs", "rhs", "vector_selector", "param"):
+        child = getattr(expr, attr, None)
+        if child is not None and not isinstance(child, (str, int, float)):
+            out.append(child)
+    out += [a for a in getattr(expr, "args", None) or [] if a is not None]
+    return out
