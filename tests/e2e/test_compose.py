@@ -262,11 +262,14 @@ def cluster(tmp_path_factory):
     gateway = replica("gateway", services["gateway"], hostport, logs, 0)
     everything = [*workers, gateway]
     try:
+        began = time.monotonic()
         for r in workers:  # their depends_on is redis only: they start together
             start(r)
         wait_healthy(workers, READY_TIMEOUT_S)
+        print(f"\nworkers healthy {time.monotonic() - began:.1f} s after start")
         start(gateway)  # depends_on every pool being healthy
         wait_healthy([gateway], 120.0)
+        print(f"gateway healthy {time.monotonic() - began:.1f} s after the workers' start")
         yield {"workers": workers, "gateway": gateway}
     finally:
         stop(everything)
@@ -383,3 +386,47 @@ def _children(expr) -> list:
             out.append(child)
     out += [a for a in getattr(expr, "args", None) or [] if a is not None]
     return out
+
+
+def registered(gateway: Replica) -> dict[str, int]:
+    """Workers in the registry by role, as the gateway's /workers lists them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.local(8000)}/workers", timeout=10) as resp:
+        workers = json.loads(resp.read())["workers"]
+    roles: dict[str, int] = {}
+    for w in workers:
+        roles[w["role"]] = roles.get(w["role"], 0) + 1
+    return roles
+
+
+@pytest.mark.slow
+def test_every_replica_registers_and_scaling_decode_down_drains_within_the_grace_period(cluster):
+    """Last in the module: it stops a decode replica, as ``docker compose up --scale decode=1``
+    does (SIGTERM, then SIGKILL after stop_grace_period), and the cluster keeps serving."""
+    services = load_compose()["services"]
+    gateway = cluster["gateway"]
+    assert registered(gateway) == {"prefill": 1, "decode": 2}
+    doomed = next(r for r in cluster["workers"] if r.service == "decode")
+    grace = seconds(services["decode"]["stop_grace_period"])
+    began = time.monotonic()
+    doomed.proc.send_signal(signal.SIGTERM)
+    code = doomed.proc.wait(grace)  # raises if Docker would have had to SIGKILL it
+    print(f"decode replica drained and exited {code} in {time.monotonic() - began:.2f} s (grace {grace} s)")
+    assert code == 0
+    assert not healthy(doomed)
+    deadline = time.monotonic() + 30
+    while registered(gateway).get("decode") != 1:
+        assert time.monotonic() < deadline, f"the stopped replica is still registered: {registered(gateway)}"
+        time.sleep(0.2)
+    print(f"out of the registry {time.monotonic() - began:.2f} s after SIGTERM")
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{gateway.local(8000)}/v1", api_key="none", max_retries=0
+    )
+    for _ in range(3):  # each one reaches the remaining replica, none the stopped one
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=4,
+            temperature=0.0,
+            timeout=120,
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
