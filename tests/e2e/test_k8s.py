@@ -34,8 +34,9 @@ CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "Sc
 """Custom resources: no schema ships with kubernetes-validate, so they are skipped by name."""
 ROLES = ("prefill", "decode", "gateway")
 POD_IP = "127.0.0.1"
-TEST_CONFIG = {"DTYPE": "float32", "KV_CACHE_GIB": "0.3", "MAX_MODEL_LEN": "2048"}
-"""What the test's own overlay changes, as an operator's would: a small KV cache for this machine."""
+TEST_CONFIG = {"DTYPE": "float32", "KV_CACHE_GIB": "0.3", "MAX_MODEL_LEN": "2048", "DRAIN_TIMEOUT": "0.2"}
+"""What the test's own overlay changes, as an operator's would: a small KV cache for this machine,
+and a drain so short that an open stream outlives it and has to move, however fast the machine."""
 
 
 def _kubectl() -> str:
@@ -205,6 +206,8 @@ class Pod:
     """One Deployment's container run as a local process."""
 
     role: str
+    name: str
+    """The pod's name, ``baton-<role>-<n>`` (what the downward API gives as metadata.name)."""
     container: dict
     ports: dict[str, int]
     """containerPort name and number (as text) -> the local port that stands for it."""
@@ -262,20 +265,21 @@ def _map_services(value: str, services: dict[str, str]) -> str:
     return value
 
 
-def _start_pod(docs: list[dict], role: str, services: dict[str, str], logs: Path) -> Pod:
+def _start_pod(docs: list[dict], role: str, index: int, services: dict[str, str], logs: Path) -> Pod:
     spec = _find(docs, "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
+    name = f"baton-{role}-{index}"
     container = spec["containers"][0]
     assert "command" not in container, "the image's ENTRYPOINT (baton) is the command"
     ports: dict[str, int] = {}
     for p in container["ports"]:
         ports[p["name"]] = ports[str(p["containerPort"])] = free_port()
-    env = _resolve_env(container, docs, f"baton-{role}-0", services)
+    env = _resolve_env(container, docs, name, services)
     args = [_expand(a, env) for a in container["args"]]
     # A container port is this process's own free port: swap the number after the flags that bind.
     for i, a in enumerate(args[:-1]):
         if a in ("--port", "--metrics-port"):
             args[i + 1] = str(ports[args[i + 1]])
-    log = logs / f"{role}.log"
+    log = logs / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*baton_command(), *args],
@@ -284,7 +288,7 @@ def _start_pod(docs: list[dict], role: str, services: dict[str, str], logs: Path
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Pod(role, container, ports, proc, log, spec["terminationGracePeriodSeconds"])
+    return Pod(role, name, container, ports, proc, log, spec["terminationGracePeriodSeconds"])
 
 
 def _probe_once(pod: Pod, probe: dict) -> bool:
@@ -358,11 +362,16 @@ def cluster(tmp_path_factory):
     pods: dict[str, Pod] = {}
     try:
         for role in ROLES:
-            pods[role] = _start_pod(docs, role, services, tmp)
-        for role in ROLES:
-            _run_probe(pods[role], "startupProbe")
-        for role in ROLES:
-            _run_probe(pods[role], "readinessProbe", limit_s=120)
+            # One pod a Deployment, but the decode pool's replicas (2): a draining decode pod's
+            # streams move to the other.
+            replicas = _find(docs, "Deployment", f"baton-{role}")["spec"].get("replicas", 1)
+            for i in range(replicas if role == "decode" else 1):
+                pod = _start_pod(docs, role, i, services, tmp)
+                pods[pod.name] = pod
+        for pod in pods.values():
+            _run_probe(pod, "startupProbe")
+        for pod in pods.values():
+            _run_probe(pod, "readinessProbe", limit_s=120)
         yield docs, pods
     finally:
         for pod in pods.values():
@@ -382,10 +391,35 @@ def _sample(body: str, name: str) -> float:
     return float(m.group(1))
 
 
+def _sum(body: str, name: str) -> float:
+    """Every labelled sample of ``name`` added up; 0 when none has been counted yet."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M))
+
+
 def _sample_names(body: str) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     return {s.name for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def _of(pods: dict[str, Pod], role: str) -> list[Pod]:
+    return [p for p in pods.values() if p.role == role]
+
+
+def _client(docs: list[dict], pods: dict[str, Pod], key: str | None = None):
+    import openai
+
+    key = key or _secret_data(_find(docs, "Secret", "baton-api-key"))["BATON_API_KEY"]
+    base = f"http://127.0.0.1:{_of(pods, 'gateway')[0].local_port('http')}/v1"
+    return openai.OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
+
+
+def _kv_bytes_received(pods: dict[str, Pod]) -> float:
+    return sum(_sample(_metrics(p), "baton:kv_transfer_bytes_total") for p in _of(pods, "decode"))
+
+
+# Longer than REMOTE_PREFILL_THRESHOLD (32) uncached tokens: the prefill pool computes it.
+PROMPT = "In three short sentences, explain why the sky looks blue on a clear day at noon. " * 2
 
 
 @pytest.mark.slow
@@ -393,26 +427,21 @@ def test_a_chat_completion_crosses_the_rendered_deployments(cluster):
     import openai
 
     docs, pods = cluster
-    key = _secret_data(_find(docs, "Secret", "baton-api-key"))["BATON_API_KEY"]
-    base = f"http://127.0.0.1:{pods['gateway'].local_port('http')}/v1"
-    before = _sample(_metrics(pods["decode"]), "baton:kv_transfer_bytes_total")
-    client = openai.OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
-    # Longer than REMOTE_PREFILL_THRESHOLD (32) uncached tokens: the prefill pool computes it.
-    prompt = "In three short sentences, explain why the sky looks blue on a clear day at noon. " * 2
+    before = _kv_bytes_received(pods)
+    client = _client(docs, pods)
     chat = client.chat.completions.create(
         model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": prompt}],
+        messages=[{"role": "user", "content": PROMPT}],
         temperature=0,
         max_tokens=8,
     )
     assert chat.choices[0].message.content
     assert chat.usage.completion_tokens == 8
-    moved = _sample(_metrics(pods["decode"]), "baton:kv_transfer_bytes_total") - before
-    assert moved > 0, "the decode worker received no KV from the prefill worker"
+    assert _kv_bytes_received(pods) > before, "no decode worker received KV from the prefill worker"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        _client(docs, pods, key="wrong").models.list()
     for pod in pods.values():
-        assert _run_probe(pod, "livenessProbe") < 5, pod.role
+        assert _run_probe(pod, "livenessProbe") < 5, pod.name
 
 
 def _named_metrics(rendered_docs: list[dict]) -> dict[str, set[str]]:
@@ -439,7 +468,9 @@ def _named_metrics(rendered_docs: list[dict]) -> dict[str, set[str]]:
 @pytest.mark.slow
 def test_every_metric_an_autoscaler_names_is_in_the_live_metrics(cluster, rendered):
     _, pods = cluster
-    live = {role: _sample_names(_metrics(pod)) for role, pod in pods.items()}
+    live: dict[str, set[str]] = {}
+    for pod in pods.values():
+        live.setdefault(pod.role, set()).update(_sample_names(_metrics(pod)))
     wanted = _named_metrics(rendered["cpu"] + rendered["keda"])
     assert wanted["prefill"] and wanted["decode"] and wanted["gateway"] and wanted["any"]
     for role, names in wanted.items():
@@ -448,19 +479,72 @@ def test_every_metric_an_autoscaler_names_is_in_the_live_metrics(cluster, render
         assert not missing, f"{role}: {missing} not in its /metrics"
 
 
+def _running(pod: Pod) -> float:
+    return _sample(_metrics(pod), "baton:num_requests_running")
+
+
+def _busy_decode_pod(pods: dict[str, Pod], limit_s: float = 30) -> Pod:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy = [p for p in _of(pods, "decode") if _running(p) > 0]
+        if busy:
+            return busy[0]
+        time.sleep(0.05)
+    pytest.fail(f"no decode pod reported a running request within {limit_s} s")
+
+
+MIGRATED_TOKENS = 24
+"""Enough to outlast the 0.2 s drain after the first token; few, since a loaded 2-core machine
+decodes SmolLM2 at as little as ~1.5 tokens a second."""
+
+
+@pytest.mark.slow
+def test_a_rolling_update_moves_a_stream_off_the_draining_decode_pod(cluster):
+    """A rollout SIGTERMs a decode pod with a stream open: the stream outlives its drain
+    (DRAIN_TIMEOUT 0.2 s here), is resumed on the other decode pod, and the client gets every token."""
+    docs, pods = cluster
+    gateway = _of(pods, "gateway")[0]
+    before = _sum(_metrics(gateway), "baton:request_migrations_total")
+    client = _client(docs, pods)
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=0,
+        max_tokens=MIGRATED_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    drained, usage, pieces = None, None, 0
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces += 1
+            if drained is None:
+                drained = _busy_decode_pod(pods)
+                os.killpg(drained.proc.pid, signal.SIGTERM)
+    assert drained is not None and usage is not None
+    assert usage.completion_tokens == MIGRATED_TOKENS
+    assert drained.proc.wait(timeout=drained.grace_s) == 0, drained.tail()
+    assert _sum(_metrics(gateway), "baton:request_migrations_total") > before, "the stream did not move"
+    print(f"[k8s] {drained.name} drained with a stream open; the client got all {MIGRATED_TOKENS} tokens")
+
+
 @pytest.mark.slow
 def test_each_pod_exits_within_its_grace_period_on_sigterm(cluster):
     """What the kubelet does when a rollout or scale-down deletes the pods: SIGTERM to each, then
     SIGKILL once terminationGracePeriodSeconds have passed; each must have exited (0) by then."""
     _, pods = cluster
     start = time.monotonic()
-    for pod in pods.values():
+    live = {name: pod for name, pod in pods.items() if pod.proc.poll() is None}
+    for pod in live.values():
         os.killpg(pod.proc.pid, signal.SIGTERM)
-    for role, pod in pods.items():
+    for name, pod in live.items():
         left = pod.grace_s - (time.monotonic() - start)
         try:
             code = pod.proc.wait(timeout=max(left, 0))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{role} still running {pod.grace_s} s after SIGTERM:\n{pod.tail()}")
-        print(f"[k8s] {role} exited {time.monotonic() - start:.1f} s after SIGTERM (code {code})")
-        assert code == 0, f"{role} exited {code}:\n{pod.tail()}"
+            pytest.fail(f"{name} still running {pod.grace_s} s after SIGTERM:\n{pod.tail()}")
+        print(f"[k8s] {name} exited {time.monotonic() - start:.1f} s after SIGTERM (code {code})")
+        assert code == 0, f"{name} exited {code}:\n{pod.tail()}"
