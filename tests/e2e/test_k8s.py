@@ -515,8 +515,9 @@ def test_a_rolling_update_moves_a_stream_off_the_draining_decode_pod(cluster):
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    drained, usage, pieces = None, None, 0
+    drained, usage, pieces, stamps = None, None, 0, []
     for chunk in stream:
+        stamps.append(time.monotonic())
         if chunk.usage:
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
@@ -528,7 +529,11 @@ def test_a_rolling_update_moves_a_stream_off_the_draining_decode_pod(cluster):
     assert usage.completion_tokens == MIGRATED_TOKENS
     assert drained.proc.wait(timeout=drained.grace_s) == 0, drained.tail()
     assert _sum(_metrics(gateway), "baton:request_migrations_total") > before, "the stream did not move"
-    print(f"[k8s] {drained.name} drained with a stream open; the client got all {MIGRATED_TOKENS} tokens")
+    gap = max(b - a for a, b in zip(stamps, stamps[1:]))
+    print(
+        f"[k8s] {drained.name} drained with a stream open; the client got all {MIGRATED_TOKENS} "
+        f"tokens, the longest pause between chunks {gap:.2f} s"
+    )
 
 
 @pytest.mark.slow
