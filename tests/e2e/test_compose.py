@@ -116,6 +116,8 @@ def test_grafana_provisions_the_dashboard_and_its_queries_parse():
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
     providers = yaml.safe_load((provisioning / "dashboards" / "baton.yml").read_text())["providers"]
     assert providers[0]["options"]["path"] == "/etc/grafana/dashboards"
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    scraped = {job["job_name"] for job in config["scrape_configs"]}
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
@@ -130,7 +132,10 @@ def test_grafana_provisions_the_dashboard_and_its_queries_parse():
         assert panel["datasource"]["uid"] == source["uid"], panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            promql_parser.parse(as_sent(target["expr"]))  # raises on a query Prometheus would refuse
+            query = promql_parser.parse(as_sent(target["expr"]))  # raises where Prometheus would
+            jobs = job_matchers(query)
+            assert jobs, f"{panel['title']!r}: {target['expr']} names no job"
+            assert jobs <= scraped, f"{panel['title']!r}: no scrape job {jobs - scraped}"
 
 
 # -- the cluster, from compose.yaml --------------------------------------------------------------
@@ -375,7 +380,24 @@ def selectors(expr) -> list[tuple[str, set[str]]]:
         found.append((expr.name, labels))
     for child in _children(expr):
         found += selectors(child)
+    if isinstance(expr, promql_parser.AggregateExpr) and expr.modifier is not None:
+        # `sum by (reason) (...)`: what it groups by must be on the series it sums
+        found = [(name, labels | set(expr.modifier.labels)) for name, labels in found]
     return found
+
+
+def job_matchers(expr) -> set[str]:
+    """The values a parsed query's ``job`` matchers accept (a regex alternation split apart)."""
+    import promql_parser
+
+    jobs = set()
+    if isinstance(expr, promql_parser.VectorSelector):
+        for m in expr.matchers.matchers:
+            if m.name == "job":
+                jobs |= set(m.value.split("|"))
+    for child in _children(expr):
+        jobs |= job_matchers(child)
+    return jobs
 
 
 def _children(expr) -> list:
