@@ -152,7 +152,11 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
     root = Path(a.cache_dir) if a.cache_dir else cpu_ops.cache_root()
     fresh = not cpu_ops.is_built(root)
     start = time.perf_counter()
-    cpu_ops.load(root)
+    try:
+        cpu_ops.load(root)
+    except (RuntimeError, OSError) as e:  # no compiler or ninja, or the build failed: torch says which
+        print(f"error: could not build the CPU kernels into {cpu_ops.build_dir(root)}: {e}", file=sys.stderr)
+        return 1
     verb = "built" if fresh else "already built"
     print(f"CPU kernels {verb}: {cpu_ops.library(root)} ({time.perf_counter() - start:.1f} s)")
     return 0
