@@ -96,3 +96,17 @@ def test_worker_builds_a_missing_kernel_before_ready(cold_build, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "loaded=True built=True"
     assert library.is_file()
+
+
+def test_build_kernels_reports_a_failed_build_in_one_line(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "baton.services.cli", "build-kernels", "--cache-dir", str(not_a_folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "error: could not build the CPU kernels" in done.stderr
+    assert "Traceback" not in done.stderr
