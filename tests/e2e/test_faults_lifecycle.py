@@ -38,6 +38,7 @@ from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
 from baton.services.lifecycle import EX_SOFTWARE
 from baton.services.worker_base import serve_worker
+from tests.e2e.fault_cluster import wait_for as _poll
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.e2e.up_process import start_up, stop_up
 
@@ -49,19 +50,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-gib", "0.05", "--max-num-batched-tokens", "256"]
 ENGINE_FLAGS += ["--max-num-seqs", "8"]
-
-
-def _poll(check, timeout_s: float, what: str, every_s: float = 0.05):
-    """``check()``'s first truthy value within ``timeout_s``; fails naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    value = check()
-    assert value, f"timed out after {timeout_s:.0f} s waiting for {what}"
-    return value
 
 
 # -- fixtures ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import httpx
 from baton.common.engine.llm_engine import EngineConfig
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
+from tests.e2e.fault_cluster import wait_for
 
 
 def build_tiny_llama(path: Path) -> Path:
@@ -27,19 +27,6 @@ def build_tiny_llama(path: Path) -> Path:
     from tests.e2e.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(path, hidden=64)
-
-
-def wait_for(check, timeout_s: float, what: str, every_s: float = 0.05):
-    """``check()``'s first truthy value within ``timeout_s``; fails naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    value = check()
-    assert value, f"timed out after {timeout_s} s waiting for {what}"
-    return value
 
 
 @contextlib.contextmanager
