@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -41,3 +43,16 @@ def prompt_logits(engine, token_ids: list[int]) -> torch.Tensor:
     inputs = runner.prepare(sched)
     hidden = engine.model(inputs.input_ids, inputs.positions, cache, inputs.meta)
     return engine.model.compute_logits(hidden[: len(token_ids)])
+
+
+def wait_engine_idle(engine, timeout: float = 30.0) -> None:
+    """Wait (bounded) until an engine stepped by an ``AsyncEngine`` thread is idle. A stream ends
+    with its last token, but the engine computes that token's KV (``Scheduler.completing``) in one
+    more step, so "every stream finished" is not yet "idle"."""
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, (
+            f"engine not idle after {timeout} s: completing={[r.request_id for r in engine.scheduler.completing]}"
+            f" running={[r.request_id for r in engine.scheduler.running]}"
+        )
+        time.sleep(0.01)

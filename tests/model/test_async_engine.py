@@ -9,6 +9,7 @@ import pytest
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.llm import SamplingParams
+from .helpers import wait_engine_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -26,6 +27,8 @@ def async_engine(llm_fp32):
     engine = AsyncEngine(llm_engine)
     engine.start()
     yield engine
+    if engine.is_running:
+        wait_engine_idle(llm_engine)
     engine.stop()
     assert not engine.is_running
     assert not llm_engine.has_unfinished_requests()

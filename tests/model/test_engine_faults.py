@@ -16,6 +16,7 @@ import pytest
 from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from baton.common.engine.llm_engine import EngineFullError, EngineStepError, LLMEngine
 from baton.common.llm import SamplingParams
+from .helpers import wait_engine_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -227,6 +228,7 @@ def test_a_failed_request_raises_from_its_stream_and_the_engine_serves_on(llm_fp
 
         assert asyncio.run(asyncio.wait_for(main(), 120)) == refs["prompt"]
         assert ae.is_running and ae.error is None
+        wait_engine_idle(engine)
     finally:
         ae.stop()
     _idle_and_balanced(engine)

@@ -11,6 +11,7 @@ import pytest
 
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.llm import SamplingParams
+from .helpers import wait_engine_idle
 
 PROMPT = "Write a short story about a lighthouse keeper who"
 
@@ -20,6 +21,8 @@ def async_engine(llm_fp32):
     engine = AsyncEngine(llm_fp32.engine)
     engine.start()
     yield engine
+    if engine.is_running:
+        wait_engine_idle(llm_fp32.engine)
     engine.stop()
     assert not llm_fp32.engine.has_unfinished_requests()
     llm_fp32.engine.pool.check_integrity()
