@@ -9,6 +9,7 @@ import pytest
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.llm import SamplingParams
+
 from .helpers import wait_engine_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -16,6 +16,7 @@ import pytest
 from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from baton.common.engine.llm_engine import EngineFullError, EngineStepError, LLMEngine
 from baton.common.llm import SamplingParams
+
 from .helpers import wait_engine_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

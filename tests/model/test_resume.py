@@ -11,6 +11,7 @@ import pytest
 
 from baton.common.engine.async_engine import AsyncEngine
 from baton.common.llm import SamplingParams
+
 from .helpers import wait_engine_idle
 
 PROMPT = "Write a short story about a lighthouse keeper who"
