@@ -217,6 +217,31 @@ def paged_prefill_attention(
     return out
 
 
+def cascade_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, KV, block_size, D], any dim-0 stride
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    group_rows: torch.Tensor,  # [R] int32, the rows of every group, group after group
+    group_starts: torch.Tensor,  # [num_groups + 1] int32
+    group_blocks: torch.Tensor,  # [num_groups] int32, full blocks each group shares
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_decode_attention`` where each group of rows, whose tables start with the same
+    ``group_blocks[g]`` block ids, attends to those blocks in one GEMM-shaped pass, and each row to
+    its own blocks after them; merged exactly (``cascade.cascade_decode_attention_ref``). Rows in
+    no group attend to their whole context. Inputs, groups included, are validated in the
+    extension (ValueError)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _ops().cascade_decode_attention(
+        out, q, k_cache, v_cache, block_tables, context_lens, group_rows, group_starts, group_blocks, scale
+    )
+    return out
+
+
 def add_rms_norm(
     residual: torch.Tensor,  # [N, H] float32, contiguous; updated in place
     delta: torch.Tensor | None,  # [N, H] bf16 or fp32, last dim contiguous

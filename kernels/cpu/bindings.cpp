@@ -19,6 +19,12 @@ void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, a
                              at::Tensor block_tables, at::Tensor context_lens,
                              at::Tensor query_start_loc, double scale);
 
+// cascade.cpp
+void cascade_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor context_lens,
+                              at::Tensor group_rows, at::Tensor group_starts,
+                              at::Tensor group_blocks, double scale);
+
 // fused_ops.cpp
 void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
                   const at::Tensor& weight, double eps, const at::Tensor& out);
@@ -39,6 +45,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("cascade_decode_attention", &cascade_decode_attention,
+        "Paged decode attention with each group's shared prefix blocks attended once for the group",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("group_rows"),
+        py::arg("group_starts"), py::arg("group_blocks"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (fp32, in place); out = rms_norm(residual) * weight in out's dtype",
