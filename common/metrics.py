@@ -82,6 +82,21 @@ class EngineCollector:
             "Requests refused because the waiting queue was full.",
             e.num_refused_requests_total,
         )
+        runner = getattr(e, "runner", None)
+        if runner is not None and hasattr(runner, "num_cascade_steps"):
+            yield self._c(
+                "baton:cascade_steps", "Decode steps that used cascade attention.", runner.num_cascade_steps
+            )
+            yield self._c(
+                "baton:cascade_groups",
+                "Shared-prefix groups those steps attended.",
+                runner.num_cascade_groups,
+            )
+            yield self._c(
+                "baton:cascade_queries",
+                "Decode rows served by a shared-prefix pass.",
+                runner.num_cascade_queries,
+            )
 
 
 class TransferCollector:

@@ -39,6 +39,12 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--cascade",
+        default="auto",
+        choices=["auto", "off"],
+        help="cascade attention for decode batches sharing a prefix: auto (a cost model decides per step) or off",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=1024,
@@ -135,6 +141,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs,
         block_size=a.block_size,
         enable_prefix_caching=not a.no_prefix_caching,
+        cascade=a.cascade,
         max_waiting_requests=a.max_waiting_requests,
         max_waiting_tokens=a.max_waiting_tokens,
         max_model_len=a.max_model_len,
@@ -463,6 +470,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags += ["--model", a.model]
     if a.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    flags += ["--cascade", a.cascade]
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
     return flags

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.engine.block_pool import BlockPool
+from baton.common.engine.cascade_plan import cascade_config
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.kv_cache_manager import KVCacheManager
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_block_bytes
@@ -69,8 +70,14 @@ class EngineConfig:
     """Most tokens those requests may still have to compute; past it a new one is refused."""
     max_consecutive_failed_steps: int = 3
     """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
+    cascade: str = "auto"
+    """Cascade attention for decode rows sharing prefix blocks: ``auto`` (a cost model decides per
+    step, ``cascade_plan``) or ``off``."""
+    cascade_min_shared_blocks: int = 4
+    """Fewest full blocks a group of decode rows must share for a cascade."""
 
     def __post_init__(self) -> None:
+        cascade_config(self.cascade, self.cascade_min_shared_blocks)  # ValueError for bad options
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -126,7 +133,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len), self.kv
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, scratch_block=num_blocks)
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            config.block_size,
+            scratch_block=num_blocks,
+            cascade=cascade_config(config.cascade, config.cascade_min_shared_blocks),
+        )
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, str | None] = {}
         self._texts: dict[str, _IncrementalText] = {}

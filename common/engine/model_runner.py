@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.common.engine.cascade_plan import CascadeConfig, plan_cascade
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
 from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
-from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
+from baton.common.model.attention import AttentionMetadata, CascadeGroups, PrefillSegment, plan_prefills
 from baton.common.model.llama import Linear, LlamaForCausalLM
 
 
@@ -83,13 +84,26 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, scratch_block: int):
-        """``scratch_block``: a cache block that no request owns, where padding rows store their K/V."""
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        scratch_block: int,
+        cascade: CascadeConfig | None = None,
+    ):
+        """``scratch_block``: a cache block that no request owns, where padding rows store their K/V.
+        ``cascade``: when decode rows sharing prefix blocks use cascade attention (None: never)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = kv_cache.device
+        self.cascade = cascade
+        # Steps that used cascade attention, their groups and the decode rows in them (metrics).
+        self.num_cascade_steps = 0
+        self.num_cascade_groups = 0
+        self.num_cascade_queries = 0
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -151,6 +165,7 @@ class ModelRunner:
             ),
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             num_padding_tokens=padding,
+            cascade=self._cascade_groups(decode_tables, decode_lens),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -159,6 +174,21 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_ids=tuple(sample_ids),
         )
+
+    def _cascade_groups(self, tables: list[tuple[int, ...]], lens: list[int]) -> CascadeGroups | None:
+        """The decode rows that attend to shared prefix blocks once per group this step, or None
+        (the plain kernel). A quantized cache (1-byte codes) is never planned: the cascade kernels
+        read floating-point K/V only."""
+        kv = self.kv_cache.dtype
+        if self.cascade is None or len(tables) < 2 or not kv.is_floating_point or kv.itemsize < 2:
+            return None
+        plan = plan_cascade(tables, lens, self.block_size, self.cascade)
+        if plan is None:
+            return None
+        self.num_cascade_steps += 1
+        self.num_cascade_groups += len(plan.groups)
+        self.num_cascade_queries += plan.num_queries
+        return CascadeGroups.build([(g.rows, g.num_shared_blocks) for g in plan.groups], self.device)
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_sampled: int) -> None:

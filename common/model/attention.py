@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import paged_attention as kernels
+from baton.kernels.cascade import CascadeGroups, cascade_decode_attention
 from baton.kernels.reference import gather_kv
 
 
@@ -88,6 +89,8 @@ class AttentionMetadata:
     num_padding_tokens: int = 0
     """Rows after every request's, that only round the step up to a precompiled shape: their K/V
     go to a scratch block and their attention output is zero."""
+    cascade: CascadeGroups | None = None
+    """Decode rows whose shared prefix blocks are attended once per group (``cascade_plan``)."""
 
 
 def paged_attention(
@@ -104,7 +107,13 @@ def paged_attention(
     if meta.num_padding_tokens:
         out[q.shape[0] - meta.num_padding_tokens :].zero_()
     nd = meta.num_decode_tokens
-    if nd:
+    # A cache in another dtype than q (quantized KV) takes the plain kernel, which dequantizes.
+    if nd and meta.cascade is not None and k_cache.dtype == q.dtype:
+        cascade_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.cascade,
+            scale, out=out[:nd],
+        )  # fmt: skip
+    elif nd:
         kernels.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd]
         )
