@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.kernels import reference
+from baton.kernels import kv_quant, reference
 
 
 def add_rms_norm(
@@ -49,9 +49,12 @@ def rope_and_cache(
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    """Rotary embedding on q and k (rotate-half), then k and v stored into their cache slots."""
+    """Rotary embedding on q and k (rotate-half), then k and v stored into their cache slots
+    (quantized there if the cache is, ``kv_quant``)."""
     args = (qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads, num_kv_heads, head_dim)
-    if qkv.is_cpu:
+    if kv_quant.is_quantized(kv_layer):
+        kv_quant.rope_and_cache_quant(*args)
+    elif qkv.is_cpu:
         from baton.kernels import cpu_ops
 
         cpu_ops.rope_and_cache(*args)

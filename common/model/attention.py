@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from baton.kernels import kv_quant
 from baton.kernels import paged_attention as kernels
 from baton.kernels.cascade import CascadeGroups, cascade_decode_attention
 from baton.kernels.reference import gather_kv
@@ -152,10 +153,17 @@ def _sdpa_prefill(
     for seg in meta.context_prefills:
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         table = torch.tensor(seg.block_table, dtype=torch.int32)
-        ks = gather_kv(k_cache, table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
-        vs = gather_kv(v_cache, table, seg.context_len).repeat_interleave(group, 0).unsqueeze(0)
+        ks = _gather(k_cache, table, seg.context_len, q.dtype).repeat_interleave(group, 0).unsqueeze(0)
+        vs = _gather(v_cache, table, seg.context_len, q.dtype).repeat_interleave(group, 0).unsqueeze(0)
         pos_q = torch.arange(seg.num_prior, seg.context_len).view(-1, 1)
         visible = torch.arange(seg.context_len).view(1, -1) <= pos_q  # [T, S]
         mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``gather_kv``, dequantized if the cache is quantized (``--kv-cache-dtype``)."""
+    if kv_quant.is_quantized(cache):
+        return kv_quant.gather_kv_dequant(cache, table.to(cache.device), length, dtype)
+    return gather_kv(cache, table, length)

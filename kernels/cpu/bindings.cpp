@@ -34,7 +34,30 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at
                     const at::Tensor& slot_offsets, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_dim);
 
+// kv_quant.cpp
+void rope_and_cache_quant(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& kv_layer,
+                          const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+void paged_decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor k_cache,
+                                  at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor context_lens, double scale);
+void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_and_cache_quant", &rope_and_cache_quant,
+        "rope_and_cache into a quantized cache: rotate q and k in place, quantize k and v rows",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_layer"),
+        py::arg("slot_blocks"), py::arg("slot_offsets"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
+        "Paged decode attention over a quantized KV cache (int8/fp8 rows with bf16 scales)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_blocks", &dequantize_blocks,
+        "Blocks of a quantized layer cache, dequantized into a dense model-dtype cache",
+        py::arg("out"), py::arg("cache"), py::arg("block_ids"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-major KV cache, written into out",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
