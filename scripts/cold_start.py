@@ -1,6 +1,7 @@
 """Cold start as on a fresh clone: ``baton up`` with empty kernel and tokenizer caches, then ten
 streamed chats; prints the time to "Baton is ready", to the first token, and each request's TTFT
-(the first against the tenth is what "/ready means full speed" is about).
+(the first against the tenth is what "/ready means full speed" is about). The chats share no
+prefix-cache block, so each computes its whole prompt the same way.
 
     .venv/bin/python scripts/cold_start.py --port 8321 -- --kv-cache-gib 1 [--prefill 1]
 
@@ -18,6 +19,17 @@ import tempfile
 import time
 
 import openai
+
+
+def _messages(i: int) -> list[dict]:
+    """The i-th chat, sharing no cached block with the others: without a system message SmolLM2's
+    template inserts the same default one (two 16-token blocks), so every request after the first
+    would hit the prefix cache, compute less, and (with ``--prefill``) stay below the remote-prefill
+    threshold: first against tenth would then compare a full prefill with a cache hit."""
+    return [
+        {"role": "system", "content": f"Session {i} {'xyzw'[i % 4] * (i + 1)}: you answer in one word."},
+        {"role": "user", "content": "What is the capital of France? Please answer it in a single word."},
+    ]
 
 
 def main() -> int:
@@ -57,7 +69,7 @@ def main() -> int:
                 model=model,
                 stream=True,
                 max_tokens=16,
-                messages=[{"role": "user", "content": f"Question {i}: what is the capital of France?"}],
+                messages=_messages(i),
             )
             first = None
             for chunk in stream:

@@ -376,7 +376,8 @@ class LLMEngine:
 
     def warm_up(self, prompt_len: int = 96, decode_steps: int = 4) -> None:
         """Build the GEMM primitives of every padded step shape (``ModelRunner.warm_up``), then
-        serve two prompts (a prefill step, a mixed step, decode steps) before the first real
+        serve two prompts, one greedy and one sampled with top-p, top-k, a seed and logprobs (a
+        prefill step, a mixed step, decode steps) before the first real
         request, so that the kernels are loaded and the allocator and oneDNN's primitives are warm:
         a worker that says it is ready serves its first request at full speed. Leaves no trace: no
         cached prefix, no cache events, counters as they were. Only on a fresh, idle engine (it
@@ -388,8 +389,13 @@ class LLMEngine:
         n = max(1, min(prompt_len, self.max_model_len - decode_steps - 1))
         vocab = self.model.config.vocab_size
         self.runner.warm_up(self.config.max_num_batched_tokens, min(64, self.config.max_num_seqs))
-        params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
-        for i in range(2):
+        # One greedy request and one sampled as chat clients ask (temperature, top-p, top-k, a seed,
+        # logprobs): every sampler path has run once before the first real request needs it.
+        greedy = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
+        sampled = SamplingParams(
+            temperature=0.8, top_p=0.95, top_k=50, seed=0, logprobs=2, max_tokens=decode_steps, ignore_eos=True
+        )
+        for i, params in enumerate((greedy, sampled)):
             ids = [(7 + 31 * j + i) % vocab for j in range(n - 8 * i)]
             self.add_request(f"__warm_up-{i}", ids, params)
             self.step()

@@ -119,6 +119,18 @@ class Gateway:
         )
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
+        self._warm_tokenizer()
+
+    def _warm_tokenizer(self) -> None:
+        """Compile the chat template (jinja, ~6 ms on first use) and run the tokenizer once at
+        start, so that the first request after ``/ready`` pays neither."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # noqa: BLE001 - a tokenizer without a chat template serves completions
+            text = "Hi"
+        self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:

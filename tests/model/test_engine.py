@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton.common.llm import LLM, SamplingParams
 
@@ -245,8 +246,13 @@ def test_warm_up_leaves_no_trace(llm_fp32, ids):
     engine.pool.take_events()
     counters = {name: getattr(engine, name) for name in engine._COUNTERS}
     queries, hits = engine.kv.prefix_cache_queries, engine.kv.prefix_cache_hits
+    default_rng = engine._default_generator.get_state()
     engine.warm_up()
     assert not engine.has_unfinished_requests()
+    # Its sampled request (top-p, top-k, logprobs) drew from its own seed, not the engine's: the
+    # unseeded requests after it sample what they would have without it.
+    assert torch.equal(engine._default_generator.get_state(), default_rng)
+    assert not engine._generators
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert not engine.pool._cached  # nothing of the warm-up can be hit by a request
     events = engine.pool.take_events()
