@@ -97,6 +97,24 @@ class EngineCollector:
                 "Decode rows served by a shared-prefix pass.",
                 runner.num_cascade_queries,
             )
+        if getattr(e, "structured", None) is not None:
+            yield from self._structured(e.structured.stats)
+
+    def _structured(self, stats):
+        """Structured outputs: forward steps per output token = sampled / (sampled + forced)."""
+        yield self._c(
+            "baton:structured_output_sampled_tokens",
+            "Structured outputs' sampled tokens.",
+            stats.sampled_tokens,
+        )
+        yield self._c(
+            "baton:jump_forward_tokens", "Tokens appended by jump-forward, not sampled.", stats.forced_tokens
+        )
+        yield self._g(
+            "baton:forward_steps_per_output_token",
+            "Structured outputs' forward steps per output token since start (1: no jump-forward).",
+            stats.forward_steps_per_output_token,
+        )
 
 
 class TransferCollector:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from baton.common.engine.outputs import TopLogprobs
-from baton.common.engine.sampling_params import SamplingParams
+from baton.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.protos import baton_pb2
 
 
@@ -23,7 +23,27 @@ def params_to_proto(p: SamplingParams) -> baton_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(_structured_to_proto(p.structured_outputs))
     return msg
+
+
+def _structured_to_proto(s: StructuredOutputsParams) -> baton_pb2.StructuredOutputs:
+    msg = baton_pb2.StructuredOutputs(json_object=s.json_object, choice=list(s.choice or ()))
+    for name in ("json", "regex", "grammar"):
+        if getattr(s, name) is not None:
+            setattr(msg, name, getattr(s, name))
+    return msg
+
+
+def _structured_from_proto(msg: baton_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    return StructuredOutputsParams(
+        json=msg.json if msg.HasField("json") else None,
+        json_object=msg.json_object,
+        regex=msg.regex if msg.HasField("regex") else None,
+        choice=tuple(msg.choice) or None,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
+    )
 
 
 def params_from_proto(msg: baton_pb2.SamplingParams) -> SamplingParams:
@@ -40,6 +60,9 @@ def params_from_proto(msg: baton_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens,
+        structured_outputs=(
+            _structured_from_proto(msg.structured_outputs) if msg.HasField("structured_outputs") else None
+        ),
     )
 
 

@@ -19,6 +19,7 @@ from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from baton.common.engine.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class EngineConfig:
     """Most tokens those requests may still have to compute; past it a new one is refused."""
     max_consecutive_failed_steps: int = 3
     """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
+    jump_forward: bool = True
+    """Structured outputs append a grammar's forced continuation without sampling it."""
     cascade: str = "auto"
     """Cascade attention for decode rows sharing prefix blocks: ``auto`` (a cost model decides per
     step, ``cascade_plan``) or ``off``."""
@@ -140,6 +143,10 @@ class LLMEngine:
             scratch_block=num_blocks,
             cascade=cascade_config(config.cascade, config.cascade_min_shared_blocks),
         )
+        self.structured = StructuredOutputs(
+            tokenizer, mcfg.vocab_size, sorted(eos_token_ids), self.max_model_len, config.jump_forward
+        )
+        self.runner.grammars = self.structured
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, str | None] = {}
         self._texts: dict[str, _IncrementalText] = {}
@@ -215,8 +222,11 @@ class LLMEngine:
         """What a server checks before it accepts a request: the prompt (``validate_prompt``), and
         that the prompt and ``max_tokens`` fit in the context together (vLLM's message), so that a
         request that can never complete is refused instead of cut short. ``resume_token_ids``
-        (a migrated request's output so far) must leave room for at least one more token."""
+        (a migrated request's output so far) must leave room for at least one more token. A
+        structured request's grammar must compile."""
         self.validate_prompt(prompt_token_ids)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
         n, limit = len(prompt_token_ids), self.max_model_len
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(
@@ -255,6 +265,8 @@ class LLMEngine:
         )
         for t in resume_token_ids:  # their log-probabilities were sent already: placeholders
             req.append_output(t, 0.0 if params.logprobs is not None else None)
+        self.structured.add(req)  # replays the resumed tokens; a forced start joins the prefill
+        self.structured.jump(req)
         self.scheduler.add_request(req)
         self._prompts[request_id] = prompt
         if params.seed is not None:
@@ -321,6 +333,7 @@ class LLMEngine:
         if not self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, cache=False):
             return None
         req.num_computed_tokens = req.num_cached_tokens = num_hit
+        self.structured.add(req)
         self._remote[request_id] = req
         if params.seed is not None:
             self._generators[request_id] = torch.Generator().manual_seed(params.seed)
@@ -347,6 +360,8 @@ class LLMEngine:
         self.scheduler.admit_running(req, first_token)
         if first_token is None:
             return None
+        if not req.is_finished and self.structured.advance([req]):
+            return self._fail_requests([request_id], "the first token does not follow the grammar")[0]
         if not req.is_finished and req.sampling_params.stop:
             self._check_stop_strings(req)
         out = self._make_output(req)
@@ -439,6 +454,7 @@ class LLMEngine:
             self.on_step_computed(sched)
         progressed = self.scheduler.update_from_output(sched, result.sampled)
         self.num_generated_tokens_total += len(progressed)
+        refused = self.structured.advance(progressed)  # and jumps forward where a grammar forces
         outputs = []
         for req in progressed:
             if not req.is_finished and req.sampling_params.stop:
@@ -450,6 +466,8 @@ class LLMEngine:
                 outputs.append(self._make_output(req))
         if result.failed:
             outputs += self._fail_requests(result.failed, "the model's logits were not finite", whole=True)
+        if refused:
+            outputs += self._fail_requests(refused, "an output token does not follow the request's grammar")
         self.num_steps_total += 1
         self.step_seconds_total += time.perf_counter() - start
         if result.failed and not progressed:  # nothing in the step came out right: a failed step
@@ -551,6 +569,7 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         self._prompts.pop(request_id, None)
         self._texts.pop(request_id, None)
+        self.structured.remove(request_id)
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ from baton.common.engine.request import Request
 from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
 from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
+from baton.common.engine.structured import StructuredOutputs
 from baton.common.model.attention import AttentionMetadata, CascadeGroups, PrefillSegment, plan_prefills
 from baton.common.model.llama import Linear, LlamaForCausalLM
 
@@ -99,6 +100,8 @@ class ModelRunner:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = kv_cache.device
+        self.grammars: StructuredOutputs | None = None
+        """The engine's structured outputs: the rows of requests with a grammar are masked."""
         self.cascade = cascade
         # Steps that used cascade attention, their groups and the decode rows in them (metrics).
         self.num_cascade_steps = 0
@@ -226,14 +229,15 @@ class ModelRunner:
             return RunnerOutput({})
         rows = hidden[inputs.logits_indices]
         params = [requests[rid].sampling_params for rid in inputs.sample_ids]
-        if all(p.greedy and p.logprobs is None for p in params):
+        grammar = self.grammars.mask(inputs.sample_ids) if self.grammars is not None else None
+        if grammar is None and all(p.greedy and p.logprobs is None for p in params):
             # No fp32 logits here: the hidden rows are checked instead ([S, hidden], a few us).
             # Finite hidden states and finite weights give finite logits.
             result = SampleResult(self.model.greedy_tokens(rows).tolist(), bad_rows=_non_finite_rows(rows))
         else:
             logits = self.model.compute_logits(rows)
             gens = [generators.get(rid) for rid in inputs.sample_ids]
-            result = sample(logits.cpu(), params, gens)
+            result = sample(logits.cpu(), params, gens, grammar)
         return _runner_output(inputs.sample_ids, result)
 
 

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.common.engine.outputs import TopLogprobs
 from baton.common.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.common.engine.structured import GrammarMask
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives returned per token (vLLM's default ``max_logprobs``); more asked get this many."""
@@ -102,15 +106,21 @@ def sample(
     logits: torch.Tensor,  # [M, V]
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    grammar: GrammarMask | None = None,
 ) -> SampleResult:
-    """One token per row, and the model's log-probabilities when any row asks for them."""
+    """One token per row, and the model's log-probabilities when any row asks for them.
+    ``grammar`` (structured outputs) rules out the tokens its rows' grammars forbid before any
+    choice; the log-probabilities stay the model's own, as vLLM's raw logprobs do."""
     logits, bad = _finite_rows(logits.float())
+    raw = logits
+    if grammar is not None:
+        logits = grammar.apply(logits.clone())
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         tokens[rows] = _draw(logits, params, generators, rows)
     if all(p.logprobs is None for p in params):
         return SampleResult(tokens.tolist(), bad_rows=bad)
-    logprobs = logits.log_softmax(-1)  # [M, V], before temperature (vLLM's raw logprobs)
+    logprobs = raw.log_softmax(-1)  # [M, V], before temperature (vLLM's raw logprobs)
     chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
     return SampleResult(tokens.tolist(), chosen, _top(logprobs, params), bad)

@@ -2,10 +2,56 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 SAMPLING_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS``: the smallest temperature that is sampled rather than greedy."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of the fields.
+    Enforced by ``common/engine/structured.py`` (xgrammar); this module only checks the shape."""
+
+    json: str | dict | None = None
+    """A JSON schema (a dict or its JSON text); kept as JSON text, key order preserved."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: tuple[str, ...] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's GBNF dialect, ``root ::= ...``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            kinds = "json, json_object, regex, choice, grammar"
+            raise ValueError(f"structured_outputs must set exactly one of {kinds}; got {given or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): equal keys compile to the same grammar (the compiled-grammar cache's key)."""
+        value = getattr(self, self.kind)
+        if self.kind == "choice":
+            value = json.dumps(list(value), ensure_ascii=False)
+        return self.kind, "" if value is True else str(value)
 
 
 @dataclass(frozen=True)
@@ -36,6 +82,8 @@ class SamplingParams:
     """Return the log-probability of each chosen token when set (0 or more)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (structured outputs)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Unvalidated pass-through for callers (request metadata)."""
 
