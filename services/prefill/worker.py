@@ -118,8 +118,9 @@ class _Job:
 
 
 class _TransferCollector:
-    """``baton:kv_transfer_bytes`` and ``baton:kv_transfer_failures`` (counters) and
-    ``baton:kv_blocks_held_for_transfer`` (a gauge), read at scrape."""
+    """``baton:kv_transfer_bytes`` and ``baton:kv_transfer_failures`` (counters),
+    ``baton:kv_blocks_held_for_transfer`` and ``baton:prefill_queued_prompt_tokens`` (gauges), read
+    at scrape."""
 
     def __init__(self, worker: PrefillWorker, labels: dict[str, str]):
         self.worker = worker
@@ -144,6 +145,14 @@ class _TransferCollector:
         )
         g.add_metric(list(self.labels.values()), self.worker.blocks_held)
         yield g
+        # What the prefill pool's autoscaler follows: TTFT grows with the prompt tokens queued ahead.
+        q = GaugeMetricFamily(
+            "baton:prefill_queued_prompt_tokens",
+            "Prompt tokens of the prefills on this worker not yet computed.",
+            labels=list(self.labels),
+        )
+        q.add_metric(list(self.labels.values()), self.worker.queued_prefill_tokens())
+        yield q
 
 
 class PrefillServicer(baton_pb2_grpc.PrefillServicer):

@@ -23,7 +23,7 @@ from baton.common.index.server import free_port
 from baton.common.llm import SamplingParams
 from baton.common.transfer import TransferConfig, TransferDescriptor, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
-from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig
+from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig, _TransferCollector
 
 BS = 16
 PROMPT = [(i * 7919) % 5000 + 100 for i in range(200)]  # 13 blocks, the last one partial
@@ -223,6 +223,7 @@ def test_abort_cancels_the_prefill_and_frees_its_blocks(worker, dest):
             if worker.queued_prefill_tokens() and engine.has_unfinished_requests():
                 break
             time.sleep(0.01)
+        assert 0 < _queued_gauge(worker) <= len(ids)  # what the prefill pool's autoscaler reads
         stub.Abort(baton_pb2.AbortRequest(request_ids=[rid]), timeout=10)
         with pytest.raises(grpc.RpcError) as e:
             call.result(timeout=30)
@@ -235,7 +236,14 @@ def test_abort_cancels_the_prefill_and_frees_its_blocks(worker, dest):
             break
         time.sleep(0.05)
     assert not engine.has_unfinished_requests() and not worker.jobs
+    assert _queued_gauge(worker) == 0
     engine.pool.check_integrity()
+
+
+def _queued_gauge(worker) -> float:
+    """``baton:prefill_queued_prompt_tokens`` as the worker's /metrics collector reports it."""
+    families = {f.name: f for f in _TransferCollector(worker, {"worker": "w"}).collect()}
+    return families["baton:prefill_queued_prompt_tokens"].samples[0].value
 
 
 def _connect(worker, descriptor: baton_pb2.TransferDescriptor, timeout=30):
