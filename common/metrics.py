@@ -99,6 +99,8 @@ class EngineCollector:
             )
         if getattr(e, "structured", None) is not None:
             yield from self._structured(e.structured.stats)
+        if getattr(e, "speculator", None) is not None:
+            yield from self._spec(e.speculator.stats)
 
     def _structured(self, stats):
         """Structured outputs: forward steps per output token = sampled / (sampled + forced)."""
@@ -115,6 +117,23 @@ class EngineCollector:
             "Structured outputs' forward steps per output token since start (1: no jump-forward).",
             stats.forward_steps_per_output_token,
         )
+
+    def _spec(self, stats):
+        """vLLM's ``spec_decode`` counters; acceptance rate = accepted / draft tokens, and mean
+        accepted length = 1 + accepted / drafts (rates of the counters, on a dashboard)."""
+        yield self._c("baton:spec_decode_num_drafts", "Requests verified with proposals.", stats.num_drafts)
+        yield self._c("baton:spec_decode_num_draft_tokens", "Tokens proposed.", stats.num_draft_tokens)
+        yield self._c(
+            "baton:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", stats.num_accepted_tokens
+        )
+        c = CounterMetricFamily(
+            "baton:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position in the proposal.",
+            labels=[*self.labels, "position"],
+        )
+        for pos, n in enumerate(stats.accepted_per_pos):
+            c.add_metric([*self.labels.values(), str(pos)], n)
+        yield c
 
 
 class TransferCollector:

@@ -56,6 +56,26 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         default=262_144,
         help="most tokens the waiting requests may still have to compute; past it new ones are refused",
     )
+    _spec_args(p)
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (vLLM's ``prompt_lookup_min/max`` spelled both ways)."""
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram", "draft"],
+        help="speculative decoding: ngram (prompt lookup) or draft (--draft-model); decode workers only",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens proposed per step")
+    p.add_argument("--ngram-min", "--prompt-lookup-min", dest="ngram_min", type=int, default=2)
+    p.add_argument("--ngram-max", "--prompt-lookup-max", dest="ngram_max", type=int, default=4)
+    p.add_argument("--draft-model", default=None, help="a smaller Llama, same tokenizer (for draft)")
+    p.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="always propose --num-speculative-tokens, even where the step cost says it does not pay",
+    )
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -145,6 +165,12 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_waiting_requests=a.max_waiting_requests,
         max_waiting_tokens=a.max_waiting_tokens,
         max_model_len=a.max_model_len,
+        speculative=a.speculative,
+        num_speculative_tokens=a.num_speculative_tokens,
+        ngram_min=a.ngram_min,
+        ngram_max=a.ngram_max,
+        draft_model=a.draft_model,
+        adaptive_speculation=not a.no_adaptive_speculation,
     )
 
 
@@ -331,6 +357,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 
     if (code := _bad_tls(a) or _pin(a)) is not None:
         return code
+    a.speculative = None  # a prefill worker returns the first token only: nothing to speculate
     config = PrefillWorkerConfig(**_worker_kwargs(a), fault_pause_after_blocks=a.fault_pause_after_blocks)
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
@@ -473,6 +500,11 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     flags += ["--cascade", a.cascade]
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
+    if a.speculative:
+        flags += ["--speculative", a.speculative, "--num-speculative-tokens", str(a.num_speculative_tokens)]
+        flags += ["--ngram-min", str(a.ngram_min), "--ngram-max", str(a.ngram_max)]
+        flags += ["--draft-model", os.path.abspath(a.draft_model)] if a.draft_model else []
+        flags += ["--no-adaptive-speculation"] if a.no_adaptive_speculation else []
     return flags
 
 

@@ -105,3 +105,15 @@ class KVCacheManager:
         blocks = self._blocks.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the ones ``num_tokens`` tokens fill, tail first: after a
+        verification, blocks that held only rejected proposals. They were reserved with
+        ``cache=False`` and never registered, so no prefix hit can find their contents."""
+        owned = self._blocks.get(req.request_id)
+        if not owned:
+            return
+        keep = -(-num_tokens // self.block_size)
+        extra = owned[keep:]
+        del owned[keep:]
+        self.pool.free_blocks(reversed(extra))

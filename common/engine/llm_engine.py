@@ -19,6 +19,8 @@ from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from baton.common.engine.spec_decode import SpecStats, SpeculativeConfig, drop_past_stop
+from baton.common.engine.speculator import make_speculator
 from baton.common.engine.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,18 @@ class EngineConfig:
     """Most tokens those requests may still have to compute; past it a new one is refused."""
     max_consecutive_failed_steps: int = 3
     """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
+    speculative: str | None = None
+    """Speculative decoding: ``ngram`` (prompt lookup) or ``draft`` (``draft_model``); None: off."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per request per step."""
+    ngram_min: int = 2
+    """Shortest suffix n-gram the n-gram proposer looks up (vLLM's ``prompt_lookup_min``)."""
+    ngram_max: int = 4
+    """Longest suffix n-gram it looks up (vLLM's ``prompt_lookup_max``)."""
+    draft_model: str | None = None
+    """The draft model (``speculative="draft"``): a smaller Llama of the same tokenizer."""
+    adaptive_speculation: bool = True
+    """Propose fewer tokens, down to none, where the step's cost model says they would not pay."""
     jump_forward: bool = True
     """Structured outputs append a grammar's forced continuation without sampling it."""
     cascade: str = "auto"
@@ -84,6 +98,28 @@ class EngineConfig:
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        self.speculative_config()  # raises ValueError for bad speculation options
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig(
+            self.speculative,
+            self.num_speculative_tokens,
+            self.ngram_min,
+            self.ngram_max,
+            self.draft_model,
+            self.adaptive_speculation,
+        )
+
+
+def _device_available(device: str) -> bool:
+    """Whether torch can allocate on ``device`` (``cuda``, ``cuda:1``) here."""
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError):  # no CUDA build, no GPU, or no such index
+        return False
+    return True
 
 
 class EngineFullError(Exception):
@@ -109,8 +145,15 @@ class LLMEngine:
     """One engine over one model. Not thread-safe: one loop drives ``step()``."""
 
     def __init__(
-        self, config: EngineConfig, model, tokenizer, eos_token_ids: frozenset[int], model_name: str = "model"
+        self,
+        config: EngineConfig,
+        model,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        model_name: str = "model",
+        draft_model=None,
     ):
+        """``draft_model``: the loaded draft model, for ``speculative="draft"``."""
         self.config = config
         self.model_name = model_name
         self.model = model
@@ -147,6 +190,7 @@ class LLMEngine:
             tokenizer, mcfg.vocab_size, sorted(eos_token_ids), self.max_model_len, config.jump_forward
         )
         self.runner.grammars = self.structured
+        self.speculator = make_speculator(config.speculative_config(), self, draft_model)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, str | None] = {}
         self._texts: dict[str, _IncrementalText] = {}
@@ -200,7 +244,12 @@ class LLMEngine:
             config = replace(config, dtype=cached_probe(source.path, torch.get_num_threads()).dtype)
         model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
         tokenizer = load_tokenizer(source)
-        return cls(config, model, tokenizer, eos_token_ids(source, tokenizer), model_name=source.name)
+        draft = None
+        if config.speculative == "draft":
+            draft_source = ModelSource.resolve(config.draft_model)
+            draft = load_model(draft_source, parse_dtype(config.dtype), config.device)
+        eos = eos_token_ids(source, tokenizer)
+        return cls(config, model, tokenizer, eos, model_name=source.name, draft_model=draft)
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
@@ -420,6 +469,8 @@ class LLMEngine:
         self.pool.take_events()
         for name, value in saved.items():
             setattr(self, name, value)
+        if self.speculator is not None:  # its cost model keeps the warm-up's steps
+            self.speculator.stats = SpecStats()
         self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = queries, hits
 
     # -- the step ------------------------------------------------------------------------------
@@ -439,21 +490,25 @@ class LLMEngine:
             self.num_prompt_tokens_computed_total += max(
                 0, min(r.start_pos + r.num_tokens, prompt_len) - r.start_pos
             )
-        self.num_steps_with_prefill += any(r.num_tokens > 1 for r in sched.requests)
+        self.num_steps_with_prefill += any(r.num_tokens - r.num_spec > 1 for r in sched.requests)
         self.num_preemptions_total += len(sched.preempted)
         requests = self.scheduler.requests
         gens = _DefaultingMap(self._generators, self._default_generator)
         forward = time.perf_counter()
+        spec = self.speculator
         try:
-            result = self.runner.execute(sched, requests, gens)
+            result = self.runner.execute(sched, requests, gens, spec.draft_probs if spec else None)
         except Exception as e:  # noqa: BLE001 - a fault in the step fails its requests, not the engine
             self.forward_seconds_total += time.perf_counter() - forward
             return self._fail_step(sched, e)
-        self.forward_seconds_total += time.perf_counter() - forward
+        forward_seconds = time.perf_counter() - forward
+        self.forward_seconds_total += forward_seconds
+        if spec is not None:
+            spec.observe_step(sched, result, forward_seconds)
         if self.on_step_computed is not None:
             self.on_step_computed(sched)
         progressed = self.scheduler.update_from_output(sched, result.sampled)
-        self.num_generated_tokens_total += len(progressed)
+        self.num_generated_tokens_total += self.scheduler.num_new_tokens
         refused = self.structured.advance(progressed)  # and jumps forward where a grammar forces
         outputs = []
         for req in progressed:
@@ -468,6 +523,8 @@ class LLMEngine:
             outputs += self._fail_requests(result.failed, "the model's logits were not finite", whole=True)
         if refused:
             outputs += self._fail_requests(refused, "an output token does not follow the request's grammar")
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.config.max_num_batched_tokens, gens)
         self.num_steps_total += 1
         self.step_seconds_total += time.perf_counter() - start
         if result.failed and not progressed:  # nothing in the step came out right: a failed step
@@ -525,6 +582,8 @@ class LLMEngine:
             # Only the tail can hold a new match: the previous step found none.
             if s in text:
                 req.stop_reason = s
+                if self.speculator is not None:  # a step of several tokens may run past the stop
+                    drop_past_stop(req, s, self.tokenizer, self.config.num_speculative_tokens)
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 return
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from baton.common.engine.cascade_plan import CascadeConfig, plan_cascade
+from baton.common.engine.rejection import VerifyGroup, verify
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
@@ -82,6 +83,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S], the rows whose logits are sampled
     sample_ids: tuple[str, ...]  # request id of each sampled row
+    verify: tuple[VerifyGroup, ...] = ()  # requests whose proposals are verified (all their rows)
 
 
 class ModelRunner:
@@ -119,6 +121,7 @@ class ModelRunner:
         decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        verify_groups: list[VerifyGroup] = []
         for r in sched.requests:
             start_row = len(ids)
             n = r.num_tokens
@@ -140,7 +143,10 @@ class ModelRunner:
                         block_table=table,
                     )
                 )
-            if r.sample:
+            if r.num_spec:
+                draft = r.token_ids[-r.num_spec :]
+                verify_groups.append(VerifyGroup(r.request_id, len(ids) - 1 - r.num_spec, draft))
+            elif r.sample:
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(r.request_id)
         padding = padded_num_tokens(len(ids)) - len(ids)
@@ -176,6 +182,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_ids=tuple(sample_ids),
+            verify=tuple(verify_groups),
         )
 
     def _cascade_groups(self, tables: list[tuple[int, ...]], lens: list[int]) -> CascadeGroups | None:
@@ -220,11 +227,21 @@ class ModelRunner:
         sched: SchedulerOutput,
         requests: Mapping[str, Request],
         generators: Mapping[str, torch.Generator],
+        draft_probs: Mapping[str, torch.Tensor] | None = None,
     ) -> RunnerOutput:
         """Run the step's forward pass and sample. An exception here fails the step's requests
-        (``LLMEngine.step``); a row whose numbers are not finite fails only its own request."""
+        (``LLMEngine.step``); a row whose numbers are not finite fails only its own request.
+        Requests with proposals get their accepted ones and a bonus token (``rejection``), judged
+        against ``draft_probs`` (a draft model's, per request; none: n-gram proposals)."""
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        out = self._sample(inputs, hidden, requests, generators)
+        if not inputs.verify:
+            return out
+        verified, failed = verify(self.model, hidden, inputs.verify, requests, generators, draft_probs)
+        return RunnerOutput({**out.sampled, **verified}, out.failed + failed)
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, requests, generators) -> RunnerOutput:
         if not inputs.sample_ids:
             return RunnerOutput({})
         rows = hidden[inputs.logits_indices]
@@ -243,9 +260,10 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What one step produced: a token for each request that sampled, and the ones that failed."""
+    """What one step produced: a token for each request that sampled (a tuple for a verified one),
+    and the ones that failed."""
 
-    sampled: dict[str, SampledToken]
+    sampled: dict[str, SampledToken | tuple[SampledToken, ...]]
     failed: tuple[str, ...] = ()
     """Requests whose logits (or hidden state) were not finite: no token; the engine fails them."""
 

@@ -60,6 +60,8 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Hashes of the request's full blocks computed so far (a growing chain)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens (speculative decoding), verified by the next step that schedules it."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -90,3 +92,12 @@ class Request:
         if self.sampling_params.logprobs:
             # A placeholder where the alternatives are unknown keeps the list aligned with the tokens.
             self.output_top_logprobs.append(top_logprobs or NO_TOP_LOGPROBS)
+
+    def drop_output(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` output tokens (a stop string completed before them, in a
+        step that appended several); only for a request about to finish (their KV is not undone)."""
+        keep = self.num_output_tokens - num_tokens
+        del self.output_token_ids[keep:]
+        del self.all_token_ids[self.num_prompt_tokens + keep :]
+        del self.output_logprobs[keep:]
+        del self.output_top_logprobs[keep:]

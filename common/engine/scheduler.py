@@ -43,6 +43,8 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     sample: bool
     """True when this step reaches the request's last known token, so a token is sampled."""
+    num_spec: int = 0
+    """Proposed tokens at the end of ``token_ids`` (speculative decoding): all of them verified."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +84,8 @@ class Scheduler:
         self.completing: list[Request] = []
         """Finished requests whose last token completes a block: computed next step, then freed."""
         self._completed: list[Request] = []
+        self.num_new_tokens = 0
+        """Tokens the last ``update_from_output`` appended (several per verified request)."""
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -191,7 +195,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            num_spec = self._reserve_spec(req, num_new, budget)
+            while not num_spec and not self.kv.allocate_slots(req, num_new):
                 victim = self._pick_victim(exclude=done) or req
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -199,9 +204,9 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            scheduled.append(self._commit(req, num_new))
+            scheduled.append(self._commit(req, num_new + num_spec, num_spec))
             done.add(req.request_id)
-            budget -= num_new
+            budget -= num_new + num_spec
 
         # New and resumed requests, first come first served, unless this step preempted.
         while self.waiting and budget > 0 and not preempted:
@@ -224,15 +229,29 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_tokens > 1)
         return SchedulerOutput(requests=tuple(scheduled), preempted=tuple(preempted))
 
-    def _commit(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _reserve_spec(self, req: Request, num_new: int, budget: int) -> int:
+        """Reserve slots for a decoding request's last token and its proposals, as many as the
+        budget and the pool allow; returns how many proposals (0: none, nothing reserved). The
+        proposals' blocks stay out of the prefix cache until their tokens are accepted."""
+        num_spec = min(len(req.spec_token_ids), budget - 1) if num_new == 1 else 0
+        if num_spec <= 0 or not self.kv.allocate_slots(req, 1 + num_spec, cache=False):
+            return 0
+        self.kv.cache_computed(req, req.num_computed_tokens + 1)
+        return num_spec
+
+    def _commit(self, req: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
+        known = tuple(req.all_token_ids[start : start + num_new - num_spec])
         req.num_computed_tokens += num_new
+        spec = tuple(req.spec_token_ids[:num_spec])
+        req.spec_token_ids = []
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=tuple(req.all_token_ids[start : start + num_new]),
+            token_ids=known + spec,
             start_pos=start,
             block_ids=tuple(self.kv.block_ids(req.request_id)),
-            sample=req.num_computed_tokens == req.num_tokens,
+            sample=req.num_computed_tokens - num_spec == req.num_tokens,
+            num_spec=num_spec,
         )
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
@@ -247,23 +266,28 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.waiting.appendleft(req)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, SampledToken]
+        self, output: SchedulerOutput, sampled: Mapping[str, SampledToken | tuple[SampledToken, ...]]
     ) -> list[Request]:
         """Append sampled tokens and finish requests that hit EOS, a stop token or a length
-        limit. Returns the requests that received a token (finished ones included)."""
+        limit. Returns the requests that received a token (finished ones included). A verified
+        request gets a tuple (accepted proposals, then the bonus token): appended until one ends
+        it, and its computed tokens and blocks are rolled back to the tokens it kept."""
         progressed = []
         finished_stopped, finished_length = [], []
+        self.num_new_tokens = 0
         for sched in output.requests:
             tok = sampled.get(sched.request_id)
             req = self.requests.get(sched.request_id)
             if tok is None or req is None:
                 continue
-            req.append_output(tok.token_id, tok.logprob, tok.top_logprobs)
+            reason = self._append(req, tok if isinstance(tok, tuple) else (tok,))
+            if sched.num_spec:
+                self._roll_back(req)
             progressed.append(req)
-            reason = self._check_stop(req)
             if reason == RequestStatus.FINISHED_STOPPED:
                 finished_stopped.append(req.request_id)
             elif reason == RequestStatus.FINISHED_LENGTH:
@@ -274,6 +298,24 @@ class Scheduler:
         self.finish_requests(finished_stopped, RequestStatus.FINISHED_STOPPED, keep_final_block=True)
         self.finish_requests(finished_length, RequestStatus.FINISHED_LENGTH, keep_final_block=True)
         return progressed
+
+    def _append(self, req: Request, tokens: tuple[SampledToken, ...]) -> RequestStatus | None:
+        """Append tokens until one ends the request; returns why it ended, if one did."""
+        reason = None
+        for tok in tokens:
+            req.append_output(tok.token_id, tok.logprob, tok.top_logprobs)
+            self.num_new_tokens += 1
+            reason = self._check_stop(req)
+            if reason is not None:
+                break
+        return reason
+
+    def _roll_back(self, req: Request) -> None:
+        """After a verification: the KV of the step's rows up to the last token kept is right (the
+        last token itself has none yet); the rejected proposals' slots are given back."""
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.trim(req, req.num_tokens)
+        self.kv.cache_computed(req, req.num_computed_tokens)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
