@@ -29,6 +29,12 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     )
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache storage: auto (the model dtype) or 1-byte codes with a scale per token and head",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -157,6 +163,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         model=a.model,
         dtype=a.dtype,
         kv_cache_gib=a.kv_cache_gib,
+        kv_cache_dtype=a.kv_cache_dtype,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         block_size=a.block_size,
@@ -483,7 +490,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The engine options of ``a`` as command-line flags, to pass on to a worker process (but the
     dtype, which ``baton up`` resolves first)."""
-    flags = ["--kv-cache-gib", str(a.kv_cache_gib)]
+    flags = ["--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype]
     flags += [
         "--max-num-batched-tokens",
         str(a.max_num_batched_tokens),

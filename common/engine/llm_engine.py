@@ -22,6 +22,7 @@ from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConf
 from baton.common.engine.spec_decode import SpecStats, SpeculativeConfig, drop_past_stop
 from baton.common.engine.speculator import make_speculator
 from baton.common.engine.structured import StructuredOutputs
+from baton.kernels.kv_quant import check_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class EngineConfig:
     """Tokens per KV block."""
     kv_cache_gib: float = 4.0
     """Memory budget for the KV cache; the cache never exceeds it."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage (vLLM's names): ``auto`` (the model dtype), ``int8``, ``fp8_e4m3`` or
+    ``fp8_e5m2`` (1-byte codes with a scale per token and head; ~2x the tokens per GiB)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step."""
     max_num_seqs: int = 256
@@ -94,6 +98,7 @@ class EngineConfig:
     """Fewest full blocks a group of decode rows must share for a cascade."""
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         cascade_config(self.cascade, self.cascade_min_shared_blocks)  # ValueError for bad options
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
             if getattr(self, name) < 1:
@@ -164,7 +169,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
-        block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype)
+        block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype, config.kv_cache_dtype)
         # One block of the budget is the scratch block where a step's padding rows store their KV
         # (ModelRunner.prepare); the pool never hands it out.
         num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes - 1
@@ -173,7 +178,9 @@ class LLMEngine:
                 f"kv_cache_gib={config.kv_cache_gib} holds {max(num_blocks, 0) * config.block_size} tokens, "
                 f"less than max_model_len={self.max_model_len}"
             )
-        self.kv_cache = allocate_kv_cache(model, num_blocks + 1, config.block_size, self.dtype, config.device)
+        self.kv_cache = allocate_kv_cache(
+            model, num_blocks + 1, config.block_size, self.dtype, config.device, config.kv_cache_dtype
+        )
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, BlockHasher(config.block_size))
         self.scheduler = Scheduler(

@@ -4,6 +4,7 @@ over the flat token batch, and samples for the requests that reached their last 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,25 +20,40 @@ from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.engine.structured import StructuredOutputs
 from baton.common.model.attention import AttentionMetadata, CascadeGroups, PrefillSegment, plan_prefills
 from baton.common.model.llama import Linear, LlamaForCausalLM
+from baton.kernels import kv_quant
 
 
-def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def _kv_block_shape(model: LlamaForCausalLM, block_size: int, kv_cache_dtype: str) -> tuple[int, ...]:
     cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+    row = kv_quant.row_elems(cfg.head_dim, kv_quant.kv_format(kv_cache_dtype))
+    return (cfg.num_layers, 2, cfg.num_kv_heads, block_size, row)
+
+
+def _kv_storage_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    fmt = kv_quant.kv_format(kv_cache_dtype)
+    return dtype if fmt is None else fmt.storage
+
+
+def kv_cache_block_bytes(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes of one block across every layer, a quantized cache's scales included."""
+    elem = torch.empty((), dtype=_kv_storage_dtype(dtype, kv_cache_dtype)).element_size()
+    return math.prod(_kv_block_shape(model, block_size, kv_cache_dtype)) * elem
 
 
 def allocate_kv_cache(
-    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype: str = "auto"
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers.
+    """[num_blocks, num_layers, 2, KV, block_size, D]: a block is contiguous across layers. A
+    quantized ``kv_cache_dtype`` stores rows of D 1-byte codes and a 2-byte scale instead
+    (``[..., D + 2]`` in the code's dtype, see ``baton.kernels.kv_quant``).
 
     A CPU cache asks for transparent huge pages before its first touch: moving KV to another
     process over shared memory (UCX's cross-memory attach) pins the source page by page, and with
     2 MB pages a 16k-token SmolLM2 KV moved at ~11 GB/s instead of ~6 GB/s (W5, 2-core host)."""
-    cfg = model.config
-    shape = (num_blocks, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-    cache = torch.empty(shape, dtype=dtype, device=device)
+    shape = (num_blocks, *_kv_block_shape(model, block_size, kv_cache_dtype))
+    cache = torch.empty(shape, dtype=_kv_storage_dtype(dtype, kv_cache_dtype), device=device)
     if cache.device.type == "cpu":
         _advise_huge_pages(cache)
     return cache.zero_()

@@ -166,7 +166,7 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch: the decode worker's cache is {requested}, this prefill worker's is "
-                f"{own} (start both with the same --dtype, --block-size and model)",
+                f"{own} (start both with the same --dtype, --kv-cache-dtype, --block-size and model)",
             )
 
     async def Prefill(self, request, context):
