@@ -28,6 +28,7 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         help=f"compute dtype; auto: whichever runs the model's GEMMs faster on this CPU (default {dtype})",
     )
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) to run on a GPU (default cpu)")
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -163,6 +164,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         model=a.model,
         dtype=a.dtype,
         kv_cache_gib=a.kv_cache_gib,
+        device=a.device,
         kv_cache_dtype=a.kv_cache_dtype,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
@@ -491,6 +493,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The engine options of ``a`` as command-line flags, to pass on to a worker process (but the
     dtype, which ``baton up`` resolves first)."""
     flags = ["--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype]
+    flags += ["--device", a.device] if a.device != "cpu" else []
     flags += [
         "--max-num-batched-tokens",
         str(a.max_num_batched_tokens),

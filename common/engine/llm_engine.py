@@ -50,6 +50,7 @@ class EngineConfig:
     """bfloat16 or float32, for weights, activations and the KV cache; ``auto`` (resolved by
     ``from_config``): whichever runs the model's GEMMs faster on this CPU (``gemm_probe``)."""
     device: str = "cpu"
+    """``cpu``, or ``cuda`` (``cuda:N``) for a GPU: Triton decode attention, SDPA prefill."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_gib: float = 4.0
@@ -116,6 +117,15 @@ class EngineConfig:
             self.draft_model,
             self.adaptive_speculation,
         )
+
+
+def _device_available(device: str) -> bool:
+    """Whether torch can allocate on ``device`` (``cuda``, ``cuda:1``) here."""
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError):  # no CUDA build, no GPU, or no such index
+        return False
+    return True
 
 
 def _device_available(device: str) -> bool:
@@ -243,12 +253,20 @@ class LLMEngine:
         from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
 
         source = ModelSource.resolve(config.model)
+        if config.device != "cpu" and not _device_available(config.device):
+            raise ValueError(
+                f"device {config.device!r} is not available to this torch ({torch.__version__}): a GPU"
+                " needs a CUDA build of torch and a visible device; or run with --device cpu"
+            )
         if config.dtype == "auto":
             from dataclasses import replace
 
             from baton.common.model.gemm_probe import cached_probe
 
-            config = replace(config, dtype=cached_probe(source.path, torch.get_num_threads()).dtype)
+            # The probe measures this CPU's GEMMs; on a GPU bf16 is the fast dtype.
+            on_gpu = config.device != "cpu"
+            dtype = "bfloat16" if on_gpu else cached_probe(source.path, torch.get_num_threads()).dtype
+            config = replace(config, dtype=dtype)
         model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
         tokenizer = load_tokenizer(source)
         draft = None
@@ -464,7 +482,13 @@ class LLMEngine:
         # logprobs): every sampler path has run once before the first real request needs it.
         greedy = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
         sampled = SamplingParams(
-            temperature=0.8, top_p=0.95, top_k=50, seed=0, logprobs=2, max_tokens=decode_steps, ignore_eos=True
+            temperature=0.8,
+            top_p=0.95,
+            top_k=50,
+            seed=0,
+            logprobs=2,
+            max_tokens=decode_steps,
+            ignore_eos=True,
         )
         for i, params in enumerate((greedy, sampled)):
             ids = [(7 + 31 * j + i) % vocab for j in range(n - 8 * i)]

@@ -115,6 +115,10 @@ def test_both_overlays_render_pools_scaled_apart(rendered):
     gpu_decode = _find(rendered["gpu"], "Deployment", "baton-decode")["spec"]["template"]["spec"]
     assert gpu_decode["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert gpu_decode["containers"][0]["image"] == "baton:cuda"
+    args = gpu_decode["containers"][0]["args"]  # the engine runs on the pod's GPU, not its CPU
+    assert args[args.index("--device") + 1] == "$(DEVICE)"
+    assert _find(rendered["gpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cuda"
+    assert _find(rendered["cpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cpu"
     keda = rendered["keda"]
     assert not [d for d in keda if d["kind"] == "HorizontalPodAutoscaler"]
     for role in ("prefill", "decode"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
 
 
@@ -33,3 +35,18 @@ def test_workers_advertise_the_address_others_reach_them_at():
     assert advertised("127.0.0.1") == "127.0.0.1"
     assert advertised("0.0.0.0", "decode-1") == "decode-1"
     assert advertised("0.0.0.0") == socket.gethostbyname(socket.gethostname())  # a container's own
+
+
+def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
+    import torch
+
+    from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args(["decode"]))["device"] == "cpu"
+    assert "--device" not in _engine_flags(parser.parse_args(["up"]))
+    flags = _engine_flags(parser.parse_args(["up", "--device", "cuda"]))
+    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["device"] == "cuda"
+    if not torch.cuda.is_available():  # refused before any weight is read
+        with pytest.raises(ValueError, match="device 'cuda' is not available"):
+            LLMEngine.from_config(EngineConfig(device="cuda"))
