@@ -43,18 +43,35 @@ class SampleResult:
     """Rows whose logits were not all finite: their requests fail, the other rows are unaffected."""
 
 
+NUCLEUS_CANDIDATES = (64, 1024)
+"""How many of the most likely tokens the top-p nucleus is first looked for among, before a full
+sort of the vocabulary: a model's nucleus is almost always small, and ``topk`` of 64 out of 49,152
+took ~0.2 ms where the sort took 4-9 ms (one thread, development machine)."""
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask out tokens outside the top-k and the top-p nucleus of one row of logits."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = _filter_top_p(logits, top_p)
     return logits
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the nucleus: a token stays while the mass of the tokens more likely than it is below
+    ``top_p`` (the most likely always stays). The most likely ``k`` tokens, in order, are what a
+    full descending sort starts with, so when their mass reaches ``top_p`` the nucleus is among
+    them; only a flatter row sorts the whole vocabulary."""
+    probs = logits.softmax(-1)
+    for k in (*(k for k in NUCLEUS_CANDIDATES if k < logits.shape[-1]), logits.shape[-1]):
+        top, order = probs.topk(k) if k < logits.shape[-1] else torch.sort(probs, descending=True)
+        before = top.cumsum(-1) - top  # mass of the more likely tokens
+        if k == logits.shape[-1] or before[-1] + top[-1] >= top_p:
+            keep = order[before < top_p]
+            return torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
+    raise AssertionError("unreachable: the last candidate count is the whole vocabulary")
 
 
 def _uniform(gen: torch.Generator | None) -> float:

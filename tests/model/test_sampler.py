@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from baton.common.engine.sampler import sample
+from baton.common.engine.sampler import NUCLEUS_CANDIDATES, _filter_top_p, sample
 from baton.common.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2, 1.5])
@@ -53,6 +53,29 @@ def test_top_k_and_top_p_draw_only_inside_the_mask_in_proportion():
     probs = torch.zeros(8, dtype=torch.float64)
     probs[nucleus] = full[nucleus] / full[nucleus].sum()
     assert _chi2_ok(counts, probs)
+
+
+def test_the_nucleus_is_the_one_a_full_sort_finds_whether_it_is_small_or_not():
+    """The nucleus is first looked for among the most likely 64, then 1024 tokens: rows whose
+    nucleus is inside each of those, and beyond both (a near-flat row), keep exactly the tokens that
+    sorting the whole vocabulary keeps (the smallest set, most likely first, whose mass reaches
+    top_p), and nothing else."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 49_152
+    sizes = []
+    for spread in (8.0, 3.0, 1.0, 0.3, 0.01):  # peaked .. near-flat
+        for top_p in (0.5, 0.9, 0.99):
+            logits = torch.randn(vocab, generator=gen) * spread
+            probs = logits.softmax(-1)  # fp32, as sampled: the boundary is that of fp32 sums
+            top, order = torch.sort(probs, descending=True)
+            nucleus = order[: int((top.cumsum(0) - top < top_p).sum())]
+            got = _filter_top_p(logits, top_p)
+            kept = torch.isfinite(got).nonzero().view(-1)
+            assert set(kept.tolist()) == set(nucleus.tolist()), (spread, top_p)
+            assert torch.equal(got[kept], logits[kept])  # kept logits unchanged
+            sizes.append(len(nucleus))
+    small, large = NUCLEUS_CANDIDATES
+    assert min(sizes) <= small and any(small < n <= large for n in sizes) and max(sizes) > large
 
 
 def test_seeds_reproduce_and_greedy_rows_stay_argmax():
