@@ -213,9 +213,11 @@ def paged_decode_attention_quant(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.is_cuda:
-        from baton.kernels.triton_decode import paged_decode_attention_triton
+        from baton.kernels.triton_decode_quant import paged_decode_attention_quant_triton
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+        return paged_decode_attention_quant_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+        )
     _ops().paged_decode_attention_quant(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
 

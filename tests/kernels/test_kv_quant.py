@@ -217,3 +217,51 @@ def test_the_reference_write_is_rope_and_cache_ref_then_quantization():
     assert torch.equal(
         layer[blocks, 0, :, offsets], kv_quant.quantize_rows_ref(dense[blocks, 0, :, offsets], fmt)
     )
+
+
+# --- the Triton kernel, under TRITON_INTERPRET=1 in a fresh interpreter (see test_triton_decode.py:
+# the variable is read when triton is first imported, which another test may have done already)
+
+
+def _triton_cases(device: str) -> int:
+    """Compare the Triton kernel with the reference on every format, model dtype and decode case."""
+    from baton.kernels.triton_decode_quant import paged_decode_attention_quant_triton
+
+    n = 0
+    for fmt in FORMATS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for case in DECODE_CASES[: 2 if dtype == torch.float32 else 1]:  # a G=3 and a G=2 case
+                batch, heads, kv_heads, head_dim, bs, lens = case
+                gen = torch.Generator().manual_seed(n)
+                nbs = [(x + bs - 1) // bs for x in lens]
+                k_cache, v_cache = _quant_cache(fmt, sum(nbs) + 2, kv_heads, bs, head_dim, gen)
+                # blocks may repeat across sequences: attention only reads them
+                tables = torch.randint(0, sum(nbs) + 2, (batch, max(nbs)), generator=gen, dtype=torch.int32)
+                q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+                ctx = torch.tensor(lens, dtype=torch.int32)
+                out = paged_decode_attention_quant_triton(
+                    *(t.to(device) for t in (q, k_cache, v_cache, tables, ctx)), head_dim**-0.5
+                )
+                ref = kv_quant.paged_decode_attention_quant_ref(
+                    q, k_cache, v_cache, tables, ctx, head_dim**-0.5
+                )
+                tol = 2e-5 if dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+                n += 1
+    return n
+
+
+def test_triton_kernel_matches_the_reference_interpreted():
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert f"ok {len(FORMATS) * 3} cases" in proc.stdout, proc.stdout
+
+
+if __name__ == "__main__":
+    print(f"ok {_triton_cases('cpu')} cases")
