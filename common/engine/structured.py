@@ -65,6 +65,9 @@ def check_spec(spec: StructuredOutputsParams) -> None:
     the gateway checks a request with it before sending it on."""
     import xgrammar as xgr
 
+    for text in (spec.json, spec.regex, spec.grammar, *(spec.choice or ())):
+        if isinstance(text, str) and not _is_utf8(text):
+            raise ValueError(f"the {spec.kind} is not valid Unicode (a lone surrogate?)")
     try:
         kind = spec.kind
         if kind == "json":
@@ -82,6 +85,14 @@ def check_spec(spec: StructuredOutputsParams) -> None:
         raise ValueError(f"the {spec.kind} cannot be compiled: {error_text(e)}") from None
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class GrammarMask:
     """The token bitmask of one step's sampled rows that have a grammar."""
@@ -90,6 +101,9 @@ class GrammarMask:
     rows: tuple[int, ...]
     """The sampled rows it applies to (others are left alone)."""
     vocab_size: int
+    dead_ends: tuple[int, ...] = ()
+    """Rows whose grammar no token of the vocabulary can continue: they may only stop."""
+    stop_token_id: int = 0
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [S, V] fp32 with every token the grammar forbids at -inf, in place."""
@@ -98,6 +112,8 @@ class GrammarMask:
         xgr.apply_token_bitmask_inplace(
             logits, self.bitmask, vocab_size=self.vocab_size, indices=list(self.rows)
         )
+        for i in self.dead_ends:
+            logits[i, self.stop_token_id] = 0.0
         return logits
 
 
@@ -106,6 +122,8 @@ class _State:
     matcher: Any  # xgrammar.GrammarMatcher
     fed: int = 0
     """Output tokens the matcher has accepted."""
+    dead: bool = False
+    """No token could continue the grammar (see ``mask``): the request was made to stop."""
 
 
 @dataclass
@@ -164,11 +182,22 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_outputs: the {spec.kind} cannot be compiled: {error_text(e)}"
             ) from None
+        if not self._can_start(compiled):
+            raise ValueError(f"structured_outputs: no token can start an output of this {spec.kind}")
         self.stats.compiled += 1
         self._compiled[key] = compiled
         if len(self._compiled) > MAX_COMPILED_GRAMMARS:
             self._compiled.popitem(last=False)
         return compiled
+
+    def _can_start(self, compiled) -> bool:
+        """Whether any token begins an output (a grammar whose language is empty allows none)."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     @staticmethod
     def _compile(compiler, spec: StructuredOutputsParams):
@@ -217,20 +246,29 @@ class StructuredOutputs:
     def mask(self, sample_ids: Sequence[str]) -> GrammarMask | None:
         """The bitmask of the step's sampled rows that have a live grammar; None when none has.
         A matcher that has terminated (its stop token accepted, ``ignore_eos`` going on) masks
-        nothing."""
+        nothing. A grammar that no token can continue (a character the vocabulary cannot spell:
+        byte-level vocabularies lack some bytes) stops its request there, instead of sampling
+        from nothing; that output does not match its grammar, as none could."""
         rows = [
             i
             for i, rid in enumerate(sample_ids)
-            if (s := self._states.get(rid)) is not None and not s.matcher.is_terminated()
+            if (s := self._states.get(rid)) is not None and not s.dead and not s.matcher.is_terminated()
         ]
         if not rows:
             return None
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(sample_ids), self.vocab_size)
+        dead = []
         for i in rows:
-            self._states[sample_ids[i]].matcher.fill_next_token_bitmask(bitmask, i)
-        return GrammarMask(bitmask, tuple(rows), self.vocab_size)
+            state = self._states[sample_ids[i]]
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+            if not bool(bitmask[i].any()):
+                log.warning("request %s: no token can continue its grammar; it stops", sample_ids[i])
+                state.dead = True
+                dead.append(i)
+        stop = self.stop_token_ids[0] if self.stop_token_ids else 0
+        return GrammarMask(bitmask, tuple(rows), self.vocab_size, tuple(dead), stop)
 
     def advance(self, requests: Sequence[Request]) -> list[str]:
         """After a step: feed each structured request's new output tokens to its matcher, then
@@ -302,7 +340,7 @@ class StructuredOutputs:
     def _feed(self, state: _State, req: Request) -> bool:
         """Feed the output tokens the matcher has not seen; False at the first it refuses."""
         for t in req.output_token_ids[state.fed :]:
-            if state.matcher.is_terminated():
+            if state.dead or state.matcher.is_terminated():
                 state.fed = req.num_output_tokens  # ignore_eos: free text after the grammar ended
                 return True
             if not state.matcher.accept_token(t):

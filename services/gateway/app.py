@@ -45,6 +45,7 @@ from baton.services.gateway.readiness import Readiness
 from baton.services.gateway.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, TokenText
 from baton.services.gateway.router import Router
 from baton.services.gateway.streaming import ClientGone, SSEResponse, collect, events, unless_disconnected
+from baton.services.gateway.tools import template_messages
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,8 @@ class Gateway:
 
     async def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         """The chat template applied and encoded exactly as ``LLM.chat`` does."""
-        messages = [m.for_template() for m in body.messages]
+        extras = [m.model_extra or {} for m in body.messages]
+        messages = template_messages([m.for_template() for m in body.messages], extras, body.tool_mode())
         try:
             text = await asyncio.to_thread(
                 self.tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=False
@@ -356,6 +358,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             body.logprobs,
             body.include_usage,
             body.return_token_ids,
+            tools=body.tool_mode(),
         )
         return await gw.respond(request, builder, subs, arrival, body.stream, "messages")
 

@@ -9,12 +9,22 @@ strings are bounded in number and length.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from baton.common.engine.sampling_params import SamplingParams
+from baton.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.services.gateway.errors import bad_request
+from baton.services.gateway.tools import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    Tool,
+    ToolChoice,
+    ToolMode,
+    check_spec,
+    structured_spec,
+    tool_mode,
+)
 
 MAX_LOGPROBS = 20
 """Most ``logprobs`` / ``top_logprobs`` a request may ask for (vLLM's default ``max_logprobs``)."""
@@ -78,6 +88,24 @@ class _GenerationRequest(_Body):
     user: str | None = None
     return_token_ids: bool = False
     """vLLM's extension: each choice carries its ``token_ids`` (the response, its ``prompt_token_ids``)."""
+    # Structured outputs (services/gateway/tools.py): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """pydantic's lax mode reads true and false as 1 and 0 for int and float fields: refuse."""
+        if isinstance(data, dict):
+            for name, info in cls.model_fields.items():
+                kinds = set(get_args(info.annotation)) | {info.annotation}
+                if kinds & {int, float} and bool not in kinds and isinstance(data.get(name), bool):
+                    raise ValueError(f"{name} must be a number, not a boolean")
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -90,9 +118,17 @@ class _GenerationRequest(_Body):
     def _logprobs(self) -> int | None:
         return None
 
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The output constraint, checked with xgrammar (a 400 naming the field)."""
+        spec, param = structured_spec(self)
+        if spec is not None:
+            check_spec(spec, param or "structured_outputs")
+        return spec
+
     def sampling_params(self) -> SamplingParams:
         """Validated parameters; a bad value raises a 400 ``APIError`` naming it."""
         max_tokens, max_name = self._max_tokens()
+        structured = self._structured()
         if self.seed is not None and not -_INT64 <= self.seed < _INT64 - max(self.n, 1):
             raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
         _check_stop(self.stop)
@@ -110,6 +146,7 @@ class _GenerationRequest(_Body):
                 ignore_eos=self.ignore_eos,
                 logprobs=self._logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e), max_name)) from None
@@ -197,6 +234,25 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def tool_mode(self) -> ToolMode | None:
+        return tool_mode(self.tools, self.tool_choice)
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """``tool_choice`` required or named is enforced by a schema built from the tools."""
+        mode = self.tool_mode()
+        forced = mode.spec() if mode is not None else None
+        if forced is None:
+            return super()._structured()
+        if structured_spec(self)[0] is not None:
+            raise bad_request(
+                "a required or named tool_choice cannot be combined with another output constraint",
+                "tool_choice",
+            )
+        check_spec(forced, "tools")
+        return forced
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from baton.protos import baton_pb2
 from baton.services.gateway.dispatch import SubRequest
+from baton.services.gateway.tools import ToolMode, ToolStream, merge_deltas, parse_output
 
 Json = dict[str, Any]
 
@@ -243,6 +244,12 @@ class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, *args, tools: ToolMode | None = None, **kwargs) -> None:
+        """``tools``: the request's tool use; its calls are parsed out of the text (``tools.py``)."""
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._tool_streams: dict[int, ToolStream] = {}
+
     def _logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[baton_pb2.TopLogprobs]
     ) -> Json | None:
@@ -261,11 +268,18 @@ class ChatBuilder(ResponseBuilder):
         return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
 
     def _final_choice(self, choice: ChoiceState) -> Json:
+        message: Json = {"role": "assistant", "content": "".join(choice.text)}
+        finish = choice.finish_reason
+        if self.tools is not None:
+            message["content"], calls = parse_output(self.tools, message["content"])
+            if calls:
+                message["tool_calls"] = calls
+                finish = self.tools.finish_reason if finish == "stop" else finish
         body = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish,
             "stop_reason": choice.stop_reason,
         }
         return self._with_ids(body, choice.index, choice.token_ids)
@@ -288,12 +302,24 @@ class ChatBuilder(ResponseBuilder):
 
     def delta_chunk(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> Json | None:
         wants_ids = (self.want_logprobs or self.return_token_ids) and chunk.token_ids
-        if not (chunk.text or chunk.finish_reason or wants_ids):
+        delta, finish = self._delta(choice, chunk)
+        if not (delta or finish or wants_ids):
             return None
         body = {
             "index": choice.index,
-            "delta": {"content": chunk.text} if chunk.text else {},
+            "delta": delta,
             "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs),
-            "finish_reason": chunk.finish_reason or None,
+            "finish_reason": finish,
         }
         return self.chunk([self._with_ids(body, choice.index, chunk.token_ids)])
+
+    def _delta(self, choice: ChoiceState, chunk: baton_pb2.GenerateChunk) -> tuple[Json, str | None]:
+        """The chunk's ``delta`` and finish reason: its text, or, with tools, its content and calls."""
+        finish = chunk.finish_reason or None
+        if self.tools is None:
+            return ({"content": chunk.text} if chunk.text else {}), finish
+        stream = self._tool_streams.setdefault(choice.index, ToolStream(self.tools))
+        delta = merge_deltas(stream.feed(chunk.text, final=finish is not None))
+        if finish == "stop" and stream.calls:
+            finish = self.tools.finish_reason
+        return delta, finish
