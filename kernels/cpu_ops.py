@@ -294,3 +294,22 @@ def rope_and_cache(
     _ops().rope_and_cache(
         qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads, num_kv_heads, head_dim
     )
+
+
+def int8_quantize_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Dynamic per-row symmetric int8 of x [M, K] (bf16/fp32, contiguous) into codes [M, K] int8
+    and scales [M] fp32, in one pass: identical to ``quant.quantize_rows_int8``."""
+    _ops().int8_quantize_rows(x, codes, scales)
+
+
+def int8_scale_output(
+    acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out [M, N] (bf16/fp32) = acc [M, N] int32 * row_scales [M] * col_scales [N], in one pass."""
+    _ops().int8_scale_output(acc, row_scales, col_scales, out)
+
+
+def fp8_widen(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """out = codes (float8_e4m3fn) in out's dtype (bf16/fp32), through a 256-entry table: ~15x
+    torch's element-by-element ``.to`` here."""
+    _ops().fp8_widen(codes, out)

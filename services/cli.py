@@ -36,6 +36,12 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         help="KV cache storage: auto (the model dtype) or 1-byte codes with a scale per token and head",
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "fp8"],
+        help="weights: int8 (W8A8, dynamic per-token activations) or fp8 (e4m3), quantized at load",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -166,6 +172,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         kv_cache_gib=a.kv_cache_gib,
         device=a.device,
         kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         block_size=a.block_size,
@@ -235,6 +242,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
         else:
             print(c.text)
+    return 0
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from baton.common.model.quant import write_checkpoint
+
+    write_checkpoint(a.model, a.quantization, a.dtype, a.out_dir)
+    print(f"wrote {a.quantization} weights to {a.out_dir}")
     return 0
 
 
@@ -493,6 +508,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The engine options of ``a`` as command-line flags, to pass on to a worker process (but the
     dtype, which ``baton up`` resolves first)."""
     flags = ["--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype]
+    flags += ["--quantization", a.quantization] if a.quantization else []
     flags += ["--device", a.device] if a.device != "cpu" else []
     flags += [
         "--max-num-batched-tokens",
@@ -537,6 +553,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids"} per prompt')
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    qz = sub.add_parser("quantize", help="write a quantized compressed-tensors checkpoint directory")
+    qz.add_argument("out_dir", help="the directory to write (safetensors, config.json, tokenizer)")
+    qz.add_argument("--model", default=None, help="a .gguf file or a Llama safetensors directory")
+    qz.add_argument("--quantization", required=True, choices=["int8", "fp8"])
+    qz.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the other weights"
+    )
+    qz.set_defaults(func=cmd_quantize)
 
     bk = sub.add_parser("build-kernels", help="compile the CPU kernels into the cache, ahead of serving")
     bk.add_argument(
@@ -639,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_breakdown.register(bench)
     bench_goodput.register(bench)
     bench_gateway.register(bench)
+    from baton.bench import accuracy as bench_accuracy
+
+    bench_accuracy.register(bench)
     return parser
 
 

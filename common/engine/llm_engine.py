@@ -58,6 +58,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's names): ``auto`` (the model dtype), ``int8``, ``fp8_e4m3`` or
     ``fp8_e5m2`` (1-byte codes with a scale per token and head; ~2x the tokens per GiB)."""
+    quantization: str | None = None
+    """Weights: ``int8`` (W8A8, dynamic per-token activations) or ``fp8`` (e4m3), quantized at load;
+    None keeps them in ``dtype`` (a compressed-tensors checkpoint is read as it is stored)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step."""
     max_num_seqs: int = 256
@@ -100,6 +103,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from baton.common.model.quant import check_quantization
+
+        check_quantization(self.quantization)
         cascade_config(self.cascade, self.cascade_min_shared_blocks)  # ValueError for bad options
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
             if getattr(self, name) < 1:
@@ -267,7 +273,13 @@ class LLMEngine:
             on_gpu = config.device != "cpu"
             dtype = "bfloat16" if on_gpu else cached_probe(source.path, torch.get_num_threads()).dtype
             config = replace(config, dtype=dtype)
-        model = load_model(source, parse_dtype(config.dtype), config.device, progress=progress)
+        model = load_model(
+            source,
+            parse_dtype(config.dtype),
+            config.device,
+            progress=progress,
+            quantization=config.quantization,
+        )
         tokenizer = load_tokenizer(source)
         draft = None
         if config.speculative == "draft":

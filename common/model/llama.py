@@ -175,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_quant: nn.Module | None = None
+        """A quantized copy of the LM head (``quant.quantize_model``), used in its place."""
 
     def prepack(self) -> None:
         """Ready the loaded weights for inference: norm weights in fp32 (they scale the fp32
@@ -184,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
             elif isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.float()
-        self.lm_head_packed = prepack_weight(self.lm_head_weight)
+        if self.lm_head_quant is None:
+            self.lm_head_packed = prepack_weight(self.lm_head_weight)
 
     def forward(
         self,
@@ -201,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(residual, delta, self.embed_tokens.weight.dtype)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant(hidden)
         if self.lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(hidden, self.lm_head_packed, None, "none", [], "")
         return F.linear(hidden, self.lm_head_weight)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from baton.common.model import quant
 from baton.common.model.config import LlamaConfig
 from baton.common.model.llama import LlamaForCausalLM
 from baton.common.model.source import ModelSource
@@ -129,7 +130,7 @@ def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Te
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in items:
         t = torch.from_numpy(np.require(w, requirements=["C", "W"])) if isinstance(w, np.ndarray) else w
-        t = t.to(dtype)
+        t = t if quant.keeps_dtype(name, t) else t.to(dtype)
         head, _, short = name.rpartition(".")
         if name.startswith("layers.") and short in ("q", "k", "v", "gate", "up"):
             parts.setdefault(head, {})[short] = t
@@ -154,8 +155,15 @@ def read_config(source: ModelSource) -> LlamaConfig:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", progress: bool = False
+    source: ModelSource,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    progress: bool = False,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """``quantization``: ``int8``/``fp8`` weights (``quant``), quantized here or, from a
+    compressed-tensors checkpoint, as stored (which then needs no flag)."""
+    prequantized: dict = {}
     if source.kind == "gguf":
         from gguf import GGUFReader
 
@@ -164,13 +172,17 @@ def load_model(
         state = _assemble(_iter_gguf(reader, cfg, progress), cfg, dtype)
     else:
         with open(os.path.join(source.path, "config.json")) as f:
-            cfg = LlamaConfig.from_hf(json.load(f))
+            hf = json.load(f)
+        cfg = LlamaConfig.from_hf(hf)
+        quantization = _checkpoint_agrees(quant.checkpoint_quantization(hf), quantization)
         state = _assemble(_iter_safetensors(source.path, progress), cfg, dtype)
+        prequantized = quant.take_prequantized(state)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rotary.") and m != "lm_head_weight"]
+    missing = [m for m in missing if m.removesuffix(".weight") not in prequantized]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
@@ -180,5 +192,14 @@ def load_model(
 
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     model = model.eval().requires_grad_(False)
+    if quantization is not None:
+        quant.quantize_model(model, quantization, prequantized)
     model.prepack()
     return model
+
+
+def _checkpoint_agrees(stored: str | None, asked: str | None) -> str | None:
+    """The quantization to run: the checkpoint's, which a different ``asked`` may not override."""
+    if stored is not None and asked not in (None, stored):
+        raise ValueError(f"the checkpoint is quantized as {stored}; --quantization {asked} cannot be applied")
+    return stored or asked

@@ -44,6 +44,12 @@ void paged_decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor k_cac
                                   at::Tensor context_lens, double scale);
 void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids);
 
+// int8_quant.cpp
+void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+void int8_scale_output(const at::Tensor& acc, const at::Tensor& row_scales,
+                       const at::Tensor& col_scales, const at::Tensor& out);
+void fp8_widen(const at::Tensor& codes, const at::Tensor& out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_quant", &rope_and_cache_quant,
         "rope_and_cache into a quantized cache: rotate q and k in place, quantize k and v rows",
@@ -75,6 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_starts"), py::arg("group_blocks"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
+  m.def("int8_quantize_rows", &int8_quantize_rows,
+        "Dynamic per-row symmetric int8: codes = round(x / scale), scale = amax(|x|) / 127",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_scale_output", &int8_scale_output,
+        "out = acc * row_scales[:, None] * col_scales (an int32 product back to bf16/fp32)",
+        py::arg("acc"), py::arg("row_scales"), py::arg("col_scales"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fp8_widen", &fp8_widen, "out = codes (float8_e4m3fn) in out's dtype (bf16/fp32)",
+        py::arg("codes"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm,
         "residual += delta (fp32, in place); out = rms_norm(residual) * weight in out's dtype",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("out"),

@@ -1,0 +1,404 @@
+"""Quantized weights: ``--quantization int8`` (W8A8) and ``fp8`` (e4m3 weights), quantized at load
+from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the layout vLLM reads).
+
+- **int8**: symmetric per-output-channel int8 weights. Rows of activations are quantized per token
+  (dynamic, symmetric; one pass, ``cpu_ops.int8_quantize_rows``) and multiplied on the CPU's
+  integer dot-product instructions (AMX-INT8 or AVX512-VNNI, oneDNN's ``qlinear_pointwise``);
+  the int32 product is scaled back by the channel's scale (inside oneDNN) and the token's. Below
+  ``WEIGHT_ONLY_BELOW`` rows a weight-only int8 kernel (``torch._weight_int8pack_mm``: int8
+  weights, activations in the model dtype) is faster: the product is bound by reading the
+  weights, and quantizing the activations would only add work.
+- **fp8**: e4m3 weights with a per-output-channel scale. A per-channel scale factors out of the
+  product, so the codes are widened to the model dtype block by block right before the GEMM
+  (``cpu_ops.fp8_widen``, a table lookup) and the output columns are scaled; on a GPU, a Triton kernel does the same in registers
+  (``kernels.triton_quant``).
+
+The model is built and loaded as usual; ``quantize_model`` then swaps its projections (and the LM
+head, see ``quantize_model``) for the modules here, so ``llama.py`` knows nothing of the formats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from baton.common.model.llama import LlamaForCausalLM
+
+QUANTIZATIONS = ("int8", "fp8")
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+WEIGHT_ONLY_BELOW = 4
+"""Projections of fewer rows take the weight-only kernel: at 1-3 rows (batch-1 decode) it reads
+the int8 weight at ~1.5-2.5x the speed of the bf16 oneDNN GEMM, and quantizing the activations
+costs more than their product saves; from 4 rows up its time grows with the rows and W8A8 wins
+(SmolLM2's shapes, one thread of a Xeon with AMX; the LM head is W8A8 at every row count)."""
+FP8_BLOCK_ROWS = 1024
+"""Output channels widened at once in the CPU fp8 path: a block of bf16 weights stays in L2."""
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
+
+
+# -- quantize / dequantize ----------------------------------------------------------------------
+def _channel_scale(w: torch.Tensor, qmax: float) -> torch.Tensor:
+    """[N, K] -> [N] fp32 symmetric scales; an all-zero row gets scale 1 (its codes are 0)."""
+    amax = w.detach().float().abs().amax(dim=1)
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: ``w ~= q * scale[:, None]``; q in [-127, 127]."""
+    scale = _channel_scale(w, INT8_MAX)
+    q = torch.round(w.float() / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3: ``w ~= q.float() * scale[:, None]``; |q| <= 448."""
+    scale = _channel_scale(w, FP8_MAX)
+    q = (w.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (int8 or e4m3) and per-channel scales [N] -> fp32 weights [N, K]."""
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 of activations [M, K] -> codes [M, K] and fp32 scales [M, 1]."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).div_(INT8_MAX).clamp_(min=1e-12)
+    return torch.round(xf * scale.reciprocal()).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+# -- quantized projections ----------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """A projection ``y = x @ W.T`` with quantized W ([out, in] codes, [out] fp32 scales).
+
+    ``dtype`` is the activation dtype (the model's), as ``llama.Linear.dtype`` is; ``out_dtype`` the
+    output's (the model dtype, or fp32 for the LM head, whose logits are wanted in fp32)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype
+    ):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.dtype, self.out_dtype = dtype, out_dtype
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The dequantized weight (for references and tests)."""
+        return dequantize(self.qweight, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, codes={self.qweight.dtype}"
+
+
+class Int8Linear(QuantLinear):
+    """W8A8 int8 (dynamic per-token activations, oneDNN's s8 x s8 GEMM on AMX-INT8/VNNI) from
+    ``weight_only_below`` rows up; below, weight-only int8 (activations stay in the model dtype)."""
+
+    scale_act: torch.Tensor
+
+    def __init__(self, qweight, scale, dtype, out_dtype, weight_only_below: int = WEIGHT_ONLY_BELOW):
+        super().__init__(qweight, scale, dtype, out_dtype)
+        self.weight_only_below = weight_only_below
+        # The weight-only kernel wants its scales in the activations' dtype.
+        self.register_buffer("scale_act", self.scale.to(dtype))
+        self.packed = prepack_int8(self.qweight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight_fp32().to(x.dtype)).to(self.out_dtype)
+        if x.shape[0] < self.weight_only_below:
+            return weight_only_int8_mm(x, self.qweight, self.scale_act).to(self.out_dtype)
+        return w8a8_int8_mm(x, self.qweight, self.scale, self.out_dtype, self.packed)
+
+
+def prepack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of an int8 weight for ``qlinear_pointwise``, or None without it."""
+    if qweight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.onednn.qlinear_prepack(qweight, None)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def weight_only_int8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) @ (qweight [N, K] int8 * scale [N]).T -> [M, N] in x's dtype."""
+    return torch._weight_int8pack_mm(x.contiguous(), qweight, scale)
+
+
+def w8a8_int8_mm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token int8 x [M, K] times per-channel int8 W [N, K] -> [M, N] in ``out_dtype``: the
+    int32 product scaled by the channel's scale (inside oneDNN where ``packed``) and the token's."""
+    from baton.kernels import cpu_ops
+
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.int8)
+    xs = torch.empty(m, dtype=torch.float32)
+    cpu_ops.int8_quantize_rows(x.contiguous(), xq, xs)
+    if packed is None:
+        out = torch.empty((m, qweight.shape[0]), dtype=out_dtype)
+        cpu_ops.int8_scale_output(torch._int_mm(xq, qweight.t()), xs, scale, out)
+        return out
+    # Activation scale 1 and fp32 out: oneDNN applies the channel scales; the token's follow.
+    y = torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, packed, scale, _zero_points(scale), None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    y.mul_(xs[:, None])
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def _zero_points(scale: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(scale.shape, dtype=torch.int64)
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weights; on CPU widened to the activations' dtype one block of output channels at a
+    time right before the product, the per-channel scale applied to the output (it factors out)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        if x.is_cuda:
+            from baton.kernels.triton_quant import fp8_linear
+
+            return fp8_linear(x, self.qweight, self.scale).to(self.out_dtype)
+        return fp8_linear_cpu(x, self.qweight, self.scale, self.out_dtype)
+
+
+def fp8_linear_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] @ (qweight [N, K] e4m3 * scale [N]).T -> [M, N] in ``out_dtype``."""
+    from baton.kernels import cpu_ops
+
+    n = qweight.shape[0]
+    out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+    for start in range(0, n, FP8_BLOCK_ROWS):
+        stop = min(start + FP8_BLOCK_ROWS, n)
+        w = torch.empty((stop - start, qweight.shape[1]), dtype=x.dtype)  # [B, K]
+        cpu_ops.fp8_widen(qweight[start:stop], w)  # exact: every e4m3 value is a bf16
+        y = F.linear(x, w)
+        out[:, start:stop] = y.mul_(scale[start:stop].to(y.dtype))
+    return out
+
+
+_MODULES = {"int8": Int8Linear, "fp8": Fp8Linear}
+_QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+QUANTIZE_LM_HEAD = {"int8": True, "fp8": False}
+"""Whether the LM head is quantized too (the embedding never is): int8's weight-only kernel reads
+half the bytes of the bf16 head at batch 1; fp8's widening of the 49152-row head each step costs
+more than its product saves (measured, see the report of issue 12)."""
+
+
+def quantize_model(
+    model: LlamaForCausalLM,
+    quantization: str,
+    prequantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> None:
+    """Swap every ``llama.Linear`` of a loaded model (before ``prepack``) for its quantized module,
+    quantizing its weight, or taking the codes and scales of ``prequantized`` (module name ->
+    (codes, scales), from a checkpoint). The LM head gets a quantized copy (``lm_head_quant``)
+    where ``QUANTIZE_LM_HEAD`` says so; a tied embedding itself stays as it is."""
+    from baton.common.model.llama import Linear
+
+    check_quantization(quantization)
+    prequantized = prequantized or {}
+    cls, quantize = _MODULES[quantization], _QUANTIZERS[quantization]
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        q, scale = prequantized.get(name) or quantize(module.weight)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, cls(q, scale, module.dtype, module.dtype))
+    if QUANTIZE_LM_HEAD[quantization]:
+        dtype = model.embed_tokens.weight.dtype
+        # W8A8 at every row count: 49152 rows of int8 through oneDNN beat both other kernels.
+        model.lm_head_quant = Int8Linear(*quantize(model.lm_head_weight), dtype, torch.float32, 0)
+
+
+# -- compressed-tensors checkpoints ---------------------------------------------------------------
+# vLLM's compressed-tensors layout: each quantized Linear stores ``weight`` as codes and
+# ``weight_scale`` [out, 1]; config.json names the scheme under ``quantization_config``.
+_FORMATS = {"int8": "int-quantized", "fp8": "float-quantized"}
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def quantization_config(quantization: str) -> dict:
+    """The ``quantization_config`` of config.json for a checkpoint written by ``save_quantized``."""
+    weights: dict[str, object] = {
+        "num_bits": 8,
+        "type": "int" if quantization == "int8" else "float",
+        "symmetric": True,
+        "strategy": "channel",
+        "dynamic": False,
+        "group_size": None,
+        "block_structure": None,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    # int8 is W8A8: activations quantized per token at run time. fp8 is weight-only here.
+    acts = (
+        {**weights, "strategy": "token", "dynamic": True, "observer": None}
+        if quantization == "int8"
+        else None
+    )
+    return {
+        "quant_method": "compressed-tensors",
+        "format": _FORMATS[quantization],
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": acts,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def checkpoint_quantization(hf_config: dict) -> str | None:
+    """``int8``/``fp8`` for a compressed-tensors config.json that this module reads, else None;
+    a scheme it does not read (other bits, group or tensor scales) is refused."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(
+            f"quantization method {qc.get('quant_method')!r} is not supported (compressed-tensors)"
+        )
+    groups = list(qc.get("config_groups", {}).values())
+    if len(groups) != 1:
+        raise ValueError("compressed-tensors checkpoints with other than one config group are not supported")
+    w = groups[0]["weights"]
+    kind = {("int", 8): "int8", ("float", 8): "fp8"}.get((w.get("type"), w.get("num_bits")))
+    if kind is None or w.get("strategy") != "channel" or not w.get("symmetric", True):
+        raise ValueError(f"compressed-tensors weights {w} are not supported (8-bit symmetric per channel)")
+    return kind
+
+
+def take_prequantized(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Pop the codes and scales of every quantized projection out of an assembled state dict
+    (fused names, see ``loader._assemble``: codes already concatenated, scales still per part) and
+    return them by module name, scales concatenated as the codes are."""
+    out = {}
+    for key in [k for k in state if k.endswith(".weight") and state[k].dtype in (torch.int8, FP8_DTYPE)]:
+        module = key.removesuffix(".weight")
+        parts = _FUSED.get(_tail(module))
+        names = [f"{_head(module)}.{p}" for p in parts] if parts else [module]
+        scales = [state.pop(f"{n}.weight_scale").float().reshape(-1) for n in names]
+        out[module] = (state.pop(key), torch.cat(scales))
+    return out
+
+
+def _tail(module: str) -> str:
+    """``layers.3.self_attn.qkv_proj`` -> ``self_attn.qkv_proj``."""
+    return ".".join(module.split(".")[-2:])
+
+
+def _head(module: str) -> str:
+    """``layers.3.self_attn.qkv_proj`` -> ``layers.3``."""
+    return ".".join(module.split(".")[:-2])
+
+
+def keeps_dtype(name: str, t: torch.Tensor) -> bool:
+    """Tensors a loader must not cast to the model dtype: codes and their scales."""
+    return t.dtype in (torch.int8, FP8_DTYPE) or name.endswith(".weight_scale")
+
+
+def _hf_name(module: str) -> str:
+    return f"model.{module}"
+
+
+def quantized_state(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A quantized model's tensors under Hugging Face names in the compressed-tensors layout:
+    fused projections split back into q/k/v and gate/up, codes as ``weight`` and [out, 1] fp32
+    ``weight_scale``; the embedding and norms in ``dtype``. The LM head, quantized or not, is
+    written only where it is not tied to the embedding (as a plain weight: ``ignore``)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and name != "lm_head_quant":
+            parts = _FUSED.get(_tail(name))
+            if parts is None:
+                splits = [(name, module.qweight, module.scale)]
+            else:
+                sizes = _part_sizes(model, _tail(name))
+                qs, ss = module.qweight.split(sizes), module.scale.split(sizes)
+                splits = [(f"{_head(name)}.{p}", q, s) for p, q, s in zip(parts, qs, ss)]
+            for part, q, s in splits:
+                state[_hf_name(part) + ".weight"] = q.contiguous()
+                state[_hf_name(part) + ".weight_scale"] = s.reshape(-1, 1).contiguous()
+    state["model.embed_tokens.weight"] = model.embed_tokens.weight.detach().to(dtype)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            state[_hf_name(name)] = p.detach().to(dtype)
+    if not model.config.tie_word_embeddings:
+        state["lm_head.weight"] = model.lm_head_weight.detach().to(dtype)
+    return state
+
+
+def _part_sizes(model: LlamaForCausalLM, tail: str) -> list[int]:
+    cfg = model.config
+    if tail == "self_attn.qkv_proj":
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def save_quantized(model: LlamaForCausalLM, quantization: str, dtype: torch.dtype, out_dir: str, tokenizer) -> None:
+    """Write a quantized model as a compressed-tensors checkpoint directory: model.safetensors,
+    config.json (with ``quantization_config``) and the tokenizer."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(quantized_state(model, dtype), os.path.join(out_dir, "model.safetensors"))
+    config = model.config.to_hf() | {
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "quantization_config": quantization_config(quantization),
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    tokenizer.save_pretrained(out_dir)
+
+
+def write_checkpoint(model: str | None, quantization: str, dtype: str, out_dir: str) -> None:
+    """``baton quantize``: load ``model`` (None: the default SmolLM2), quantize it at load exactly
+    as ``--quantization`` would, and save it with ``save_quantized``; loading ``out_dir`` then
+    gives the same weights, hence the same tokens."""
+    from baton.common.model.loader import load_model
+    from baton.common.model.source import ModelSource, load_tokenizer
+
+    source = ModelSource.resolve(model)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    loaded = load_model(source, torch_dtype, quantization=quantization)
+    save_quantized(loaded, quantization, torch_dtype, out_dir, load_tokenizer(source))

@@ -1,0 +1,152 @@
+"""Quantized-weight kernels against their torch references: the CPU passes around the int8 GEMM
+(bit-identical), the int8 and fp8 linears against the fp32 product (within their formats'
+rounding), and the Triton fp8 GEMM under TRITON_INTERPRET=1 (in a fresh interpreter, as
+test_triton_decode.py explains)."""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # the subprocess below; never flip the pytest process into interpret mode
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# (M, N, K): one row, a ragged tile, SmolLM2's o_proj at a decode batch, K not a tile multiple.
+TRITON_CASES = [(1, 64, 64), (5, 70, 96), (20, 576, 64), (3, 33, 100)]
+
+
+def _weight(n: int, k: int, seed: int, edge_cases: bool = True) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    if edge_cases:
+        w[0] = 0.0  # an all-zero channel keeps a finite scale
+        w[1, 3] = 4.0  # an outlier channel
+    return w
+
+
+def run_triton_cases() -> None:
+    from baton.common.model.quant import quantize_fp8
+    from baton.kernels.triton_quant import fp8_linear, fp8_linear_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for i, (m, n, k) in enumerate(TRITON_CASES):
+            q, scale = quantize_fp8(_weight(n, k, i))
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + i)).to(dtype)
+            out = fp8_linear(x, q, scale)
+            ref = fp8_linear_ref(x, q, scale)
+            assert out.dtype == dtype and out.shape == (m, n)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            err = (out.float() - ref.float()).abs().max().item()
+            assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), f"{dtype} {(m, n, k)}: {err}"
+            print(f"ok {dtype} {(m, n, k)} max_err={err:.2e}")
+    # Every one of the 254 finite e4m3 codes (subnormals and both signs) decodes exactly.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())].reshape(-1, 1)  # [254, 1]
+    eye = torch.ones(1, 1)
+    decoded = fp8_linear(eye, codes.view(torch.float8_e4m3fn), torch.ones(len(codes)))
+    assert torch.equal(decoded[0], codes.view(torch.float8_e4m3fn).float()[:, 0])
+    print("ok every e4m3 code")
+
+
+def test_triton_fp8_linear_matches_reference_in_interpreter():
+    pytest.importorskip("triton")  # a third-party GPU compiler, not the project's own module
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.stdout.count("ok ") == 2 * len(TRITON_CASES) + 1, proc.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_int8_passes_are_identical_to_torch(dtype):
+    from baton.common.model.quant import quantize_rows_int8
+    from baton.kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 200, generator=gen) * 3).to(dtype)  # K not a multiple of 16: the tail loop
+    x[5] = 0.0  # an all-zero row
+    codes, scales = torch.empty(37, 200, dtype=torch.int8), torch.empty(37)
+    cpu_ops.int8_quantize_rows(x, codes, scales)
+    ref_codes, ref_scales = quantize_rows_int8(x)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales[:, 0])
+    assert codes.abs().max() == 127 and not codes[5].any()
+
+    acc = torch.randint(-(2**20), 2**20, (37, 70), dtype=torch.int32, generator=gen)
+    col = torch.rand(70, generator=gen)
+    out = torch.empty(37, 70, dtype=dtype)
+    cpu_ops.int8_scale_output(acc, scales, col, out)
+    assert torch.equal(out, (acc.float() * scales[:, None] * col).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_fp8_widen_is_exact(dtype):
+    from baton.kernels import cpu_ops
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    out = torch.empty(16, 16, dtype=dtype)
+    cpu_ops.fp8_widen(codes, out)
+    ref = codes.to(dtype)
+    finite = ~torch.isnan(ref)
+    assert torch.equal(out[finite], ref[finite])
+
+
+def test_cpu_kernels_refuse_bad_inputs():
+    from baton.kernels import cpu_ops
+
+    with pytest.raises(ValueError, match="int8"):
+        cpu_ops.int8_quantize_rows(torch.randn(2, 8), torch.empty(2, 8), torch.empty(2))
+    with pytest.raises(ValueError, match="one per row"):
+        cpu_ops.int8_quantize_rows(torch.randn(2, 8), torch.empty(2, 8, dtype=torch.int8), torch.empty(3))
+    with pytest.raises(ValueError, match="float8"):
+        cpu_ops.fp8_widen(torch.zeros(4, dtype=torch.uint8), torch.empty(4))
+
+
+# Relative error bounds against the fp32 product of the unquantized weight, about 1.5x what was
+# measured on these weights: int8 weights ~0.7% (W8A8 ~1.0%), e4m3 weights ~2.7% (3 mantissa bits).
+WEIGHT_BOUNDS = {"int8": 0.015, "fp8": 0.04}
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 64])  # both sides of the weight-only / W8A8 switch
+def test_quantized_linear_against_fp32(method, dtype, rows):
+    from baton.common.model import quant
+
+    w = _weight(96, 160, 0, edge_cases=False).to(dtype)
+    if method == "int8":
+        lin = quant.Int8Linear(*quant.quantize_int8(w), dtype, dtype)
+    else:
+        lin = quant.Fp8Linear(*quant.quantize_fp8(w), dtype, dtype)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (rows, 96)
+    ref = x.float() @ w.float().t()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < WEIGHT_BOUNDS[method], f"{method} {dtype} rows={rows}: relative error {err:.4f}"
+    # Against the exact product of the dequantized weight only the activations' rounding is left:
+    # int8 codes from WEIGHT_ONLY_BELOW rows up (~0.7%), else bf16 rounding of the output or none.
+    deq = lin.weight_fp32()
+    exact = x.float() @ deq.t()
+    act_err = ((y.float() - exact).norm() / exact.norm()).item()
+    w8a8 = method == "int8" and rows >= quant.WEIGHT_ONLY_BELOW
+    assert act_err < (0.012 if w8a8 else 0.004), f"{method} {dtype} rows={rows}: {act_err:.4f}"
+    # Each code is the weight rounded to its format: half a step of the channel's scale for int8,
+    # half a unit in the last of e4m3's 3 mantissa bits (2^-4 relative, or 2^-10 scales if subnormal).
+    diff, scale = (deq - w.float()).abs(), lin.scale[:, None]
+    if method == "int8":
+        assert (diff <= 0.5 * scale * (1 + 1e-4)).all()
+    else:
+        assert (diff <= torch.maximum(w.float().abs() * 2**-4, scale * 2**-10) * (1 + 1e-4)).all()
+
+
+if __name__ == "__main__":
+    run_triton_cases()
