@@ -51,6 +51,7 @@ def worker_settings(engine: LLMEngine, **extra) -> dict:
 
     return {
         "dtype": engine.config.dtype,
+        "quantization": engine.config.quantization,
         "cpus": format_cpu_list(sorted(os.sched_getaffinity(0))),
         "threads": torch.get_num_threads(),
         **extra,
