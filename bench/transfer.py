@@ -50,6 +50,8 @@ class TransferBenchConfig:
     """Untimed transfers first (connection set-up, page faults)."""
     block_size: int = 16
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    """The cache's storage (``--kv-cache-dtype``): quantized blocks are ~half the bytes of bf16 ones."""
     model: str | None = None
     """Whose KV shape (and prefill) to measure; None is the engine's default model."""
     blocks_per_send: int = 0
@@ -71,7 +73,7 @@ class TransferBenchConfig:
             raise ValueError("--repeats and --block-size must be >= 1, --warmup and --blocks-per-send >= 0")
 
 
-def kv_geometry(model: str | None, block_size: int, dtype: str) -> KVGeometry:
+def kv_geometry(model: str | None, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> KVGeometry:
     """The model's KV shape, read from its config (not its weights)."""
     from baton.common.engine.llm_engine import parse_dtype
     from baton.common.model.source import ModelSource
@@ -86,6 +88,7 @@ def kv_geometry(model: str | None, block_size: int, dtype: str) -> KVGeometry:
         block_size=block_size,
         dtype=str(parse_dtype(dtype)).removeprefix("torch."),
         max_model_len=cfg.max_position_embeddings,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -201,6 +204,7 @@ def _prefill_with_engine(config: TransferBenchConfig, geometry: KVGeometry, coun
     llm = LLM(
         model=config.model,
         dtype=config.dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size,
         kv_cache_gib=math.ceil(need / 2**30 * 4) / 4,
         enable_prefix_caching=False,
@@ -219,7 +223,7 @@ def _prefill_with_engine(config: TransferBenchConfig, geometry: KVGeometry, coun
 
 # -- the whole run ---------------------------------------------------------------------------------
 def run_transfer_bench(config: TransferBenchConfig) -> dict:
-    geometry = kv_geometry(config.model, config.block_size, config.dtype)
+    geometry = kv_geometry(config.model, config.block_size, config.dtype, config.kv_cache_dtype)
     transfers = measure_transfers(config, geometry)
     prefill = measure_prefill(config, geometry)
     sizes = transfers["sizes"]
@@ -271,7 +275,7 @@ def format_table(result: dict) -> str:
     g = result["geometry"]
     c = result["config"]
     lines = [
-        f"W5 KV transfer: {result['model']}, {g['dtype']}, {g['bytes_per_token']:,} B/token, "
+        f"W5 KV transfer: {result['model']}, {g['dtype']} kv={g['kv_cache_dtype']}, {g['bytes_per_token']:,} B/token, "
         f"blocks of {g['block_size']} tokens; median of {c['repeats']} after {c['warmup']} warm-up",
         f"{'tokens':>7} {'MB':>8}  {'link':<12} {'GB/s':>7} {'ms':>9} {'x TCP':>6} {'of prefill':>10}  ok",
     ]
@@ -327,6 +331,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed transfers first")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--model", default=None, help="whose KV shape and prefill (default: the engine's)")
     p.add_argument("--blocks-per-send", type=int, default=0, help="blocks per send call (0: all in one)")
     p.add_argument(
@@ -357,6 +362,7 @@ def cmd_bench_transfer(a: argparse.Namespace) -> int:
             warmup=a.warmup,
             block_size=a.block_size,
             dtype=a.dtype,
+            kv_cache_dtype=a.kv_cache_dtype,
             model=a.model,
             blocks_per_send=a.blocks_per_send,
             prefill=not a.no_prefill,

@@ -42,6 +42,8 @@ class KVGeometry:
     block_size: int
     dtype: str
     max_model_len: int
+    kv_cache_dtype: str = "auto"
+    """``--kv-cache-dtype``: a quantized cache moves its blocks (codes and scales) as they are."""
 
     def allocate(self, num_blocks: int) -> Any:
         """``[num_blocks, layers, 2, KV, block_size, D]``, zeros, from the engine's own allocator."""
@@ -50,7 +52,7 @@ class KVGeometry:
         from baton.common.engine.model_runner import allocate_kv_cache
 
         return allocate_kv_cache(
-            self._shell(), num_blocks, self.block_size, getattr(torch, self.dtype), "cpu"
+            self._shell(), num_blocks, self.block_size, getattr(torch, self.dtype), "cpu", self.kv_cache_dtype
         )
 
     @property
@@ -63,7 +65,9 @@ class KVGeometry:
 
         from baton.common.engine.model_runner import kv_cache_block_bytes
 
-        return kv_cache_block_bytes(self._shell(), self.block_size, getattr(torch, self.dtype))
+        return kv_cache_block_bytes(
+            self._shell(), self.block_size, getattr(torch, self.dtype), self.kv_cache_dtype
+        )
 
     @property
     def bytes_per_token(self) -> int:

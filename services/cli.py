@@ -656,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     from baton.bench import breakdown as bench_breakdown
     from baton.bench import gateway as bench_gateway
     from baton.bench import goodput as bench_goodput
+    from baton.bench import kv_step as bench_kv_step
     from baton.bench import serve as bench_serve
     from baton.bench import transfer as bench_transfer
 
@@ -664,6 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_breakdown.register(bench)
     bench_goodput.register(bench)
     bench_gateway.register(bench)
+    bench_kv_step.register(bench)
     from baton.bench import accuracy as bench_accuracy
 
     bench_accuracy.register(bench)
