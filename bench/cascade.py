@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -88,7 +88,9 @@ def attention_times(batch: Batch, iters: int) -> tuple[float, float]:
         paged_decode_attention(batch.q, batch.k, batch.v, batch.tables, batch.lens, scale, out=out)
 
     def cascade():
-        cascade_decode_attention(batch.q, batch.k, batch.v, batch.tables, batch.lens, batch.groups, scale, out=out)
+        cascade_decode_attention(
+            batch.q, batch.k, batch.v, batch.tables, batch.lens, batch.groups, scale, out=out
+        )
 
     return best_of(plain, iters), best_of(cascade, iters)
 
@@ -104,7 +106,9 @@ def step_times(batch: Batch, dtype: torch.dtype, iters: int) -> tuple[float, flo
     runner = ModelRunner(model, batch.cache, BLOCK, scratch_block=batch.cache.shape[0] - 1)
     sched = SchedulerOutput(
         tuple(
-            ScheduledRequest(f"r{b}", (100 + b,), int(batch.lens[b]) - 1, tuple(batch.tables[b].tolist()), True)
+            ScheduledRequest(
+                f"r{b}", (100 + b,), int(batch.lens[b]) - 1, tuple(batch.tables[b].tolist()), True
+            )
             for b in range(batch.q.shape[0])
         )
     )
@@ -153,30 +157,47 @@ def run(requests: int, shared_len: int, suffix_len: int, dtype: str, iters: int,
     )  # fmt: skip
 
 
+def _fit_nonnegative(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: a negative one is fixed at 0 and the rest refit."""
+    x, y = np.array(rows), np.array(times)
+    free = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+        negative = [i for i in free if coef[i] < 0]
+        if not negative:
+            return [float(c) for c in coef]
+        free = [i for i in free if i not in negative]
+
+
 def calibrate(dtype: str, iters: int) -> dict[str, float]:
-    """Least-squares fit of ``CascadeCostModel`` (ns per KV head) to kernel times over a grid of
-    group sizes M and shared lengths S (suffix u = 32): plain = a * M * (S + u) + c0;
-    cascade = c * M * S + e * S + o + a * M * u + f * M."""
+    """Fit ``CascadeCostModel`` (ns per KV head) to kernel times over a grid of group sizes M and
+    shared lengths S: the plain kernel, t = per_token * M * (S + 33) + t0; the shared pass alone
+    (rows whose context is just the shared blocks), t = shared_per_query * M * S +
+    shared_per_token * S + per_group; then the whole cascade with 32 own tokens per row, whose
+    excess over the shared pass and the own tokens at the plain rate is per_merged_row * M."""
     dt = getattr(torch, dtype)
-    rows_plain, t_plain, rows_casc, t_casc = [], [], [], []
+    plain_rows, plain_t, shared_rows, shared_t, merge = [], [], [], [], []
     for m in (2, 8, 32, 64):
         for s in (256, 1024, 2048):
             batch = make_batch(m, s, 32, dt)
             plain, cascade = attention_times(batch, iters)
-            tokens = m * (s + 33)
-            rows_plain.append([tokens, 1.0])
-            t_plain.append(plain * 1e9 / KV_HEADS)
-            rows_casc.append([m * s, s, 1.0, m])
-            t_casc.append(cascade * 1e9 / KV_HEADS - 0.0)
-    (a, _), *_ = np.linalg.lstsq(np.array(rows_plain), np.array(t_plain), rcond=None)
-    own = np.array([r[3] * 33 for r in rows_casc]) * a  # the suffixes at the plain rate
-    (c, e, o, f), *_ = np.linalg.lstsq(np.array(rows_casc), np.array(t_casc) - own, rcond=None)
+            shared_only = replace(batch, lens=torch.full_like(batch.lens, s))
+            _, shared = attention_times(shared_only, iters)
+            plain_rows.append([m * (s + 33), 1.0])
+            plain_t.append(plain * 1e9 / KV_HEADS)
+            shared_rows.append([m * s, s, 1.0])
+            shared_t.append(shared * 1e9 / KV_HEADS)
+            merge.append((m, (cascade - shared) * 1e9 / KV_HEADS))
+    per_token = _fit_nonnegative(plain_rows, plain_t)[0]
+    c, e, o = _fit_nonnegative(shared_rows, shared_t)
+    per_row = [max(0.0, (t - per_token * m * 33) / m) for m, t in merge]
     return {
-        "per_token": round(float(a), 3),
-        "shared_per_query": round(float(c), 3),
-        "shared_per_token": round(float(e), 3),
-        "per_group": round(float(o), 1),
-        "per_merged_row": round(float(f), 1),
+        "per_token": round(per_token, 3),
+        "shared_per_query": round(c, 3),
+        "shared_per_token": round(e, 3),
+        "per_group": round(o, 1),
+        "per_merged_row": round(float(np.median(per_row)), 1),
     }
 
 
@@ -187,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's; --calibrate: 1)"
+    )
     p.add_argument("--no-step", action="store_true", help="attention only, no whole-model step")
     p.add_argument("--calibrate", action="store_true", help="fit the cost model's constants")
     a = p.parse_args(argv)
@@ -195,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     cpu_ops.load()
     if a.calibrate:
-        print(json.dumps({"dtype": a.dtype, "threads": torch.get_num_threads(), **calibrate(a.dtype, a.iters)}))
+        if not a.threads:  # one thread: the fit is of the kernels' work, not of the machine's load
+            torch.set_num_threads(1)
+        print(
+            json.dumps({"dtype": a.dtype, "threads": torch.get_num_threads(), **calibrate(a.dtype, a.iters)})
+        )
         return 0
     result = run(a.requests, a.shared_len, a.suffix_len, a.dtype, a.iters, not a.no_step)
     print(json.dumps(asdict(result)))

@@ -27,19 +27,31 @@ CASCADE_MODES = ("auto", "off")
 
 @dataclass(frozen=True)
 class CascadeCostModel:
-    """Nanoseconds per unit of work of each kernel pass, per KV head (defaults measured on the
-    2-core Intel Xeon, bf16 and fp32 alike, by ``python -m baton.bench.cascade --calibrate``)."""
+    """Nanoseconds per unit of work of each kernel pass, per KV head. The defaults are the bf16
+    fit (``COST_MODELS``); ``python -m baton.bench.cascade --calibrate --dtype D`` refits them."""
 
-    per_token: float = 1.5
+    per_token: float = 29.8
     """Plain paged decode: one request's G query heads against one cached token."""
-    shared_per_query: float = 0.25
+    shared_per_query: float = 2.32
     """Shared pass: one request's G query heads against one shared token (the GEMM part)."""
-    shared_per_token: float = 1.0
-    """Shared pass: reading and converting one shared token of K and V (once per group)."""
-    per_group: float = 2000.0
-    """Shared pass: fixed cost of a group (set-up, thread split)."""
-    per_merged_row: float = 200.0
-    """Carrying one request's partial softmax from the shared pass into its suffix pass."""
+    shared_per_token: float = 37.3
+    """Shared pass: packing one shared token of K and V (once per group)."""
+    per_group: float = 12825.0
+    """Shared pass: fixed cost of a group (set-up, thread split, the first tile's latency)."""
+    per_merged_row: float = 0.0
+    """Carrying one request's partial softmax from the shared pass into its own pass."""
+
+
+# Fitted on the 2-core Intel Xeon (AMX, AVX512-BF16) by ``python -m baton.bench.cascade
+# --calibrate --dtype D --iters 10`` (one thread, load ~6: the absolute figures are inflated by the
+# load, their ratios are what a decision uses). bf16's shared pass runs on AMX tiles, fp32's on
+# AVX-512 FMAs: ~13x and ~8x less work per query row and shared token than the plain kernel.
+COST_MODELS = {
+    "bfloat16": CascadeCostModel(),
+    "float32": CascadeCostModel(
+        per_token=48.8, shared_per_query=6.37, shared_per_token=90.2, per_group=13750.0, per_merged_row=125.0
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class CascadeConfig:
     min_group_size: int = 2
     """Fewest requests in a group."""
     cost: CascadeCostModel = CascadeCostModel()
-    """Decides, group by group, whether the cascade beats the plain kernel."""
+    """Decides, group by group, whether the cascade beats the plain kernel (``COST_MODELS``)."""
 
     def __post_init__(self) -> None:
         if self.min_shared_blocks < 1 or self.min_group_size < 2:
@@ -148,10 +160,12 @@ def plan_cascade(
     return CascadePlan(kept, block_size) if kept else None
 
 
-def cascade_config(mode: str, min_shared_blocks: int = 4) -> CascadeConfig | None:
-    """The config of ``--cascade`` (``auto``: the cost model decides per step; ``off``: never,
-    None). ValueError for another mode or a bad block count."""
+def cascade_config(mode: str, min_shared_blocks: int = 4, dtype: str = "bfloat16") -> CascadeConfig | None:
+    """The config of ``--cascade`` for a model computing in ``dtype`` (``auto``: the cost model of
+    that dtype decides per step; ``off``: never, None). ValueError for another mode or a bad block
+    count."""
     if mode not in CASCADE_MODES:
         raise ValueError(f"cascade must be one of {list(CASCADE_MODES)}, got {mode!r}")
-    config = CascadeConfig(min_shared_blocks=min_shared_blocks)
+    cost = COST_MODELS.get(dtype, COST_MODELS["bfloat16"])
+    config = CascadeConfig(min_shared_blocks=min_shared_blocks, cost=cost)
     return config if mode == "auto" else None

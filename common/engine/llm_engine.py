@@ -207,7 +207,9 @@ class LLMEngine:
             self.kv_cache,
             config.block_size,
             scratch_block=num_blocks,
-            cascade=cascade_config(config.cascade, config.cascade_min_shared_blocks),
+            cascade=cascade_config(
+                config.cascade, config.cascade_min_shared_blocks, str(self.dtype).removeprefix("torch.")
+            ),
         )
         self.structured = StructuredOutputs(
             tokenizer, mcfg.vocab_size, sorted(eos_token_ids), self.max_model_len, config.jump_forward

@@ -54,8 +54,13 @@ def test_cascade_on_and_off_give_the_same_greedy_tokens(llm_fp32, prompts, dtype
     if dtype == "float32":
         src = llm_fp32
     else:
-        src = LLM(dtype="bfloat16", kv_cache_gib=0.1)
+        src = LLM(dtype="bfloat16", kv_cache_gib=0.25)
     on = _llm_like(src, cascade="auto")
+    if dtype == "float32":
+        # Two rows sharing 96 tokens are too few to pay for a shared pass: the calibrated model
+        # keeps the plain kernel.
+        _decode_shared(on, prompts[:3])
+        assert on.engine.runner.num_cascade_steps == 0
     on.engine.runner.cascade = ALWAYS
     off = _llm_like(src, cascade="off")
     assert off.engine.runner.cascade is None
@@ -63,7 +68,7 @@ def test_cascade_on_and_off_give_the_same_greedy_tokens(llm_fp32, prompts, dtype
     runner = on.engine.runner
     # Five requests hit the prefix at once: each of their decode steps is one group of five.
     assert runner.num_cascade_steps >= GREEDY.max_tokens - 1
-    assert runner.num_cascade_queries >= 5 * runner.num_cascade_steps
+    assert runner.num_cascade_queries == 5 * runner.num_cascade_steps
     assert runner.num_cascade_groups == runner.num_cascade_steps
     without = _decode_shared(off, prompts)
     assert off.engine.runner.num_cascade_steps == 0
@@ -73,13 +78,6 @@ def test_cascade_on_and_off_give_the_same_greedy_tokens(llm_fp32, prompts, dtype
         same = sum(a == b for x, y in zip(with_cascade, without) for a, b in zip(x, y))
         assert same >= 0.9 * sum(map(len, without)), (with_cascade, without)
     on.engine.pool.check_integrity()
-
-
-def test_default_cost_model_picks_cascade_only_where_it_pays(llm_fp32, prompts):
-    # 5 rows sharing 96 tokens is too little to pay for a shared pass; the model keeps the plain kernel.
-    llm = _llm_like(llm_fp32, cascade="auto")
-    _decode_shared(llm, prompts)
-    assert llm.engine.runner.num_cascade_steps == 0
 
 
 def test_config_rejects_an_unknown_mode():

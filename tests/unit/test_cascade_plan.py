@@ -9,10 +9,12 @@ import sys
 import pytest
 
 from baton.common.engine.cascade_plan import (
+    COST_MODELS,
     CascadeConfig,
     CascadeCostModel,
     CascadeGroup,
     CascadePlan,
+    cascade_config,
     find_groups,
     group_saving,
     plan_cascade,
@@ -95,6 +97,23 @@ def test_plan_is_none_when_nothing_pays_or_groups_are_too_small():
     lens = [257] * 3
     assert plan_cascade(long_tables, lens, BS, CascadeConfig(cost=COST)) is not None
     assert plan_cascade(long_tables, lens, BS, CascadeConfig(min_group_size=4, cost=COST)) is None
+
+
+def test_cascade_config_of_each_mode_and_dtype():
+    assert cascade_config("off") is None
+    auto = cascade_config("auto", 6, "float32")
+    assert auto == CascadeConfig(min_shared_blocks=6, cost=COST_MODELS["float32"])
+    assert cascade_config("auto").cost == COST_MODELS["bfloat16"]
+    with pytest.raises(ValueError, match="cascade must be one of"):
+        cascade_config("on")
+
+
+def test_calibrated_models_pay_for_the_issue_shape_not_for_a_pair_of_short_prompts():
+    big = CascadeGroup(tuple(range(64)), 2048 // 16)  # 64 requests sharing 2k tokens
+    pair = CascadeGroup((0, 1), 4)  # two requests sharing 64 tokens
+    for cost in COST_MODELS.values():
+        assert group_saving(big, 16, cost) > 0
+        assert group_saving(pair, 16, cost) < 0
 
 
 def test_config_rejects_nonsense():
