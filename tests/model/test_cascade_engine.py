@@ -85,3 +85,17 @@ def test_config_rejects_an_unknown_mode():
         EngineConfig(cascade="on")
     with pytest.raises(ValueError):
         EngineConfig(cascade_min_shared_blocks=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_cache_is_never_planned(llm_fp32, kv_cache_dtype):
+    # The cascade kernels read floating-point K/V: a quantized cache keeps the plain kernel,
+    # which dequantizes (the cost model is not even asked).
+    from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
+
+    model = llm_fp32.engine.model
+    tables, lens = [tuple(range(8)) + (8 + i,) for i in range(4)], [130] * 4
+    for dtype, planned in ((kv_cache_dtype, False), ("auto", True)):
+        cache = allocate_kv_cache(model, 16, 16, llm_fp32.engine.dtype, "cpu", kv_cache_dtype=dtype)
+        runner = ModelRunner(model, cache, 16, scratch_block=15, cascade=ALWAYS)
+        assert (runner._cascade_groups(tables, lens) is not None) == planned, dtype
