@@ -69,6 +69,13 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         default=262_144,
         help="most tokens the waiting requests may still have to compute; past it new ones are refused",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks (processes of this command) the model's heads and MLP are split across (default 1)",
+    )
     _spec_args(p)
 
 
@@ -187,6 +194,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         ngram_max=a.ngram_max,
         draft_model=a.draft_model,
         adaptive_speculation=not a.no_adaptive_speculation,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 
@@ -524,6 +532,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     if a.no_prefix_caching:
         flags.append("--no-prefix-caching")
     flags += ["--cascade", a.cascade]
+    flags += ["--tensor-parallel-size", str(a.tensor_parallel_size)] if a.tensor_parallel_size > 1 else []
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
     if a.speculative:

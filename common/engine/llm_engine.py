@@ -100,9 +100,13 @@ class EngineConfig:
     step, ``cascade_plan``) or ``off``."""
     cascade_min_shared_blocks: int = 4
     """Fewest full blocks a group of decode rows must share for a cascade."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes of this one, ``common.parallel``) the model's heads and MLP are split across."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         from baton.common.model.quant import check_quantization
 
         check_quantization(self.quantization)
@@ -275,13 +279,18 @@ class LLMEngine:
             on_gpu = config.device != "cpu"
             dtype = "bfloat16" if on_gpu else cached_probe(source.path, torch.get_num_threads()).dtype
             config = replace(config, dtype=dtype)
-        model = load_model(
-            source,
-            parse_dtype(config.dtype),
-            config.device,
-            progress=progress,
-            quantization=config.quantization,
-        )
+        if config.tensor_parallel_size > 1:
+            from baton.common.parallel.driver import load_tensor_parallel
+
+            model = load_tensor_parallel(config, parse_dtype(config.dtype), progress)
+        else:
+            model = load_model(
+                source,
+                parse_dtype(config.dtype),
+                config.device,
+                progress=progress,
+                quantization=config.quantization,
+            )
         tokenizer = load_tokenizer(source)
         draft = None
         if config.speculative == "draft":

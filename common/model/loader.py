@@ -160,9 +160,11 @@ def load_model(
     device: str = "cpu",
     progress: bool = False,
     quantization: str | None = None,
+    tensor_parallel=None,
 ) -> LlamaForCausalLM:
     """``quantization``: ``int8``/``fp8`` weights (``quant``), quantized here or, from a
-    compressed-tensors checkpoint, as stored (which then needs no flag)."""
+    compressed-tensors checkpoint, as stored (which then needs no flag). ``tensor_parallel``: a
+    ``RankGroup`` whose rank's shard is kept (``tensor_parallel.shard_model``)."""
     prequantized: dict = {}
     if source.kind == "gguf":
         from gguf import GGUFReader
@@ -192,6 +194,10 @@ def load_model(
 
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     model = model.eval().requires_grad_(False)
+    if tensor_parallel is not None:
+        from baton.common.model.tensor_parallel import shard_model
+
+        shard_model(model, tensor_parallel)
     if quantization is not None:
         quant.quantize_model(model, quantization, prequantized)
     model.prepack()

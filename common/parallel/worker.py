@@ -1,0 +1,112 @@
+"""A tensor-parallel rank other than 0: loads its shard, then runs what rank 0 sends it.
+
+Started by ``driver.launch`` as ``python -m baton.common.parallel.worker '<json WorkerSpec>'``,
+its stdin a pipe from rank 0 (the commands; end of file: rank 0 has gone, so the rank exits) and
+its stdout a pipe back (one ``ready`` line once the weights are loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    """This rank (1 to size - 1)."""
+    size: int
+    """Ranks in the group."""
+    host: str
+    """Rank 0's rendezvous store."""
+    port: int
+    """Its port."""
+    device: str
+    """This rank's device (``cpu``, ``cuda:N``)."""
+    timeout_s: float
+    """Collective and rendezvous timeout."""
+    model: str | None
+    """The model (``ModelSource.resolve``)."""
+    dtype: str
+    """Weights' dtype, a torch name (``bfloat16``, ``float32``)."""
+    cpus: tuple[int, ...]
+    """CPUs to run on (empty: the inherited affinity); torch's threads match their count."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        d = json.loads(text)
+        return cls(**{**d, "cpus": tuple(d["cpus"])})
+
+
+def _pin(cpus: tuple[int, ...]) -> None:
+    import torch
+
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+        torch.set_num_threads(len(cpus))
+
+
+def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
+    """Load the shard, report ready on fd ``ready``, meet the group, then run commands from fd
+    ``commands`` until a ``Stop`` or end of file."""
+    import torch
+
+    from baton.common.model.loader import load_model
+    from baton.common.model.source import ModelSource
+    from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits
+    from baton.common.parallel import messages
+    from baton.common.parallel.group import GroupConfig, RankGroup
+
+    _pin(spec.cpus)
+    group = RankGroup(GroupConfig(spec.rank, spec.size, spec.host, spec.port, spec.device, spec.timeout_s))
+    model = load_model(
+        ModelSource.resolve(spec.model), getattr(torch, spec.dtype), spec.device, tensor_parallel=group
+    )
+    os.write(ready, b"ready\n")
+    group.start()
+    cache: torch.Tensor | None = None
+    with torch.inference_mode():
+        while True:
+            msg = messages.read(commands, spec.device)
+            if msg is None or isinstance(msg, messages.Stop):
+                return
+            if isinstance(msg, messages.Forward):
+                cache = _cache_for(cache, msg, model.config.num_kv_heads, spec.device)
+                model(msg.input_ids, msg.positions, cache, msg.meta)
+            elif msg.greedy:
+                parallel_greedy(model, msg.hidden)
+            else:
+                parallel_logits(model, msg.hidden)
+
+
+def _cache_for(cache, msg, num_kv_heads: int, device: str):
+    """This rank's KV cache: rank 0's shape with this rank's KV heads (allocated once)."""
+    import torch
+
+    shape = list(msg.cache_shape)
+    shape[3] = num_kv_heads  # [num_blocks, layers, 2, KV, block_size, row]
+    if cache is None or list(cache.shape) != shape or cache.dtype != msg.cache_dtype:
+        cache = torch.zeros(shape, dtype=msg.cache_dtype, device=device)
+    return cache
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    spec = WorkerSpec.from_json(sys.argv[1])
+    try:
+        serve(spec, sys.stdin.fileno(), sys.stdout.fileno())
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
