@@ -228,20 +228,28 @@ def test_spec_decode_metrics_match_the_counters(target, tok):
     assert engine.num_generated_tokens_total == sum(len(o.token_ids) for o in outs.values())
 
 
-def test_grammar_requests_are_not_speculated(target, tok):
-    from baton.common.engine.spec_decode import allows_speculation
+def test_structured_requests_are_not_speculated(target, tok):
+    from baton.common.engine.sampling_params import StructuredOutputsParams
 
-    class Req:
-        grammar = object()
-        sampling_params = SamplingParams()
-
-    assert not allows_speculation(Req())
+    engine = _engine(target, tok, **NGRAM)
+    # This vocabulary is SmolLM2's first 64 tokens: the digits are among them.
+    digits = StructuredOutputsParams(regex="[0-9]{16}")
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=digits)
+    prompts = [[32 + (i % 10) for i in range(24)], [33, 34, 35] * 8]  # digit runs: n-grams would propose
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+        assert all(not r.spec_token_ids for r in engine.scheduler.running)
+    assert engine.speculator.stats.num_drafts == 0
+    assert len(texts) == 2 and all(len(t) == 16 and t.isdigit() for t in texts), texts
 
 
 def test_smollm2_greedy_output_is_identical_with_ngram_speculation(llm_fp32):
     """The real model in fp32, on a prompt-grounded task (repeat a given text with one change)."""
     base = llm_fp32.engine
-    config = EngineConfig(dtype="float32", kv_cache_gib=0.5, speculative="ngram", adaptive_speculation=False)
+    config = EngineConfig(dtype="float32", kv_cache_gib=0.1, speculative="ngram", adaptive_speculation=False)
     spec = LLMEngine(config, base.model, base.tokenizer, base.eos_token_ids)
     text = (
         "Baton serves large language models with disaggregated prefill and decode: a prompt is "
@@ -253,11 +261,11 @@ def test_smollm2_greedy_output_is_identical_with_ngram_speculation(llm_fp32):
     ]
     prompt = base.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = base.tokenizer.encode(prompt, add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=32)
     steps = base.num_steps_total
     want = _run(base, [ids], params)["0"]
     steps = base.num_steps_total - steps
     got = _run(spec, [ids], params)["0"]
     assert got.token_ids == want.token_ids and got.text == want.text
-    assert spec.speculator.stats.num_accepted_tokens >= 10, spec.speculator.stats
+    assert spec.speculator.stats.num_accepted_tokens >= 8, spec.speculator.stats
     assert spec.num_steps_total < steps  # copying the text, several tokens a step
