@@ -626,6 +626,8 @@ class LLMEngine:
             self.pool.check_integrity()
         except AssertionError as e:
             raise EngineStepError(f"the block pool is inconsistent after a failed step: {e}") from error
+        if getattr(error, "fatal", False):  # no later step can run (a tensor-parallel rank has died)
+            raise EngineStepError(f"the engine cannot go on: {error}") from error
         limit = self.config.max_consecutive_failed_steps
         if self._failed_steps_in_a_row >= limit:
             raise EngineStepError(f"{self._failed_steps_in_a_row} engine steps in a row failed") from error

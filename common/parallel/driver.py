@@ -33,6 +33,9 @@ from baton.common.parallel.worker import WorkerSpec
 class RankFailedError(RuntimeError):
     """A tensor-parallel rank has died or stopped answering: the model cannot run any more."""
 
+    fatal = True
+    """The engine gives up at once (``LLMEngine._after_failed_step``) instead of retrying steps."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -55,9 +58,12 @@ def _rank_device(device: str, rank: int) -> str:
 
 
 def _cpu_shares(size: int) -> list[tuple[int, ...]]:
+    """Each rank's CPUs: this process's cut into runs, or one each in turn where there are fewer
+    CPUs than ranks (threads past the cores would only take turns, and a collective waits on the
+    slowest rank)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < size:
-        return [()] * size
+        return [(cpus[r % len(cpus)],) for r in range(size)]
     base, extra = divmod(len(cpus), size)
     out, start = [], 0
     for r in range(size):
