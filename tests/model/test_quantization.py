@@ -28,11 +28,13 @@ def bf16_tokens(model_path):
 
 
 # Greedy tokens diverge for good once one differs, so position-by-position agreement is a harsh
-# measure. Measured on these 8 prompts x 16 tokens (2-core Xeon with AMX): int8 W8A8 0.36, fp8
-# weights 0.66. Random tokens would agree ~0%; the bounds leave a margin for another CPU's rounding.
-AGREEMENT_BOUNDS = {"int8": 0.25, "fp8": 0.45}
+# measure. Measured on these 8 prompts x 16 tokens (2-core Xeon with AMX): int8 W8A8 0.36 (1 of 8
+# outputs whole), fp8 weights 0.76 (4 of 8). Random tokens would agree ~0%; the bounds leave a
+# margin for another CPU's rounding.
+AGREEMENT_BOUNDS = {"int8": 0.25, "fp8": 0.55}
 
 
+@pytest.mark.slow  # three SmolLM2 engines: ~6-7 min at load 15 on the 2 shared cores
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_smollm2_greedy_tokens_mostly_agree_with_bf16(method, bf16_tokens):
     from baton.bench.accuracy import identical_share, token_agreement
