@@ -373,10 +373,23 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
     )
 
 
+def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
+    """Exit code 2 for a tensor-parallel worker whose KV would cross to another worker: the KV
+    transport moves rank 0's cache (its heads) only, until transfers are re-sharded."""
+    if a.tensor_parallel_size > 1 and moves_kv:
+        print(
+            "error: --tensor-parallel-size > 1 runs colocated only for now (--colocated): the KV"
+            " transport would move rank 0's heads alone",
+            file=sys.stderr,
+        )
+        return 2
+    return None
+
+
 def cmd_decode(a: argparse.Namespace) -> int:
     from baton.services.decode.worker import DecodeWorkerConfig, serve
 
-    if (code := _bad_tls(a) or _pin(a)) is not None:
+    if (code := _bad_tls(a) or _pin(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
     config = DecodeWorkerConfig(
         **_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold, colocated=a.colocated
@@ -388,6 +401,8 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     from baton.services.prefill.worker import PrefillWorkerConfig, serve
 
     if (code := _bad_tls(a) or _pin(a)) is not None:
+        return code
+    if (code := _bad_tensor_parallel(a, moves_kv=True)) is not None:
         return code
     a.speculative = None  # a prefill worker returns the first token only: nothing to speculate
     config = PrefillWorkerConfig(**_worker_kwargs(a), fault_pause_after_blocks=a.fault_pause_after_blocks)
@@ -484,7 +499,7 @@ def _gateway_flags(a: argparse.Namespace) -> list[str]:
 def cmd_up(a: argparse.Namespace) -> int:
     from baton.services.up import UpConfig, run_cluster
 
-    if (code := _bad_tls(a)) is not None:
+    if (code := _bad_tls(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
     if (front := _front_door(a)) is None:
         return 2

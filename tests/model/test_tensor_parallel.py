@@ -207,3 +207,14 @@ def test_ranks_exit_when_rank_0_dies(tiny_path):
     for pid in left:  # do not leave them behind even when the test fails
         os.kill(pid, 9)
     assert left == [], "ranks outlived rank 0"
+
+
+def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_it(capsys):
+    from baton.services import cli
+
+    a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-tp", "2"])
+    assert cli._engine_kwargs(a)["tensor_parallel_size"] == 2
+    flags = cli._engine_flags(a)  # what baton up passes on to its workers
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+    assert cli.main(["prefill", "--tensor-parallel-size", "2"]) == 2
+    assert "colocated only" in capsys.readouterr().err
