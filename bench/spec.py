@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 from baton.bench.offline import make_prompts
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     base.warm_up()
     spec.warm_up()
     workloads = {
-        "grounded": (grounded_prompts(base.tokenizer), False),
+        "grounded": (grounded_prompts(base.tokenizer)[: args.num_grounded], False),
         "random": (make_prompts(args.num_random, args.input_len, args.seed), True),
     }
     result: dict = {"speculative": args.speculative, "k": args.num_speculative_tokens, "workloads": {}}
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> dict:
                     raise AssertionError(f"{name}: greedy output differs with speculation")
                 off.append(a)
                 on.append(b)
+                print(f"{name}: off {a:.1f} ms/token, on {b:.1f} ms/token", file=sys.stderr, flush=True)
         stats = spec.speculator.stats
         drafted = stats.num_draft_tokens - drafted
         result["workloads"][name] = {
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--input-len", type=int, default=256, help="of the random (W2-shaped) prompts")
     p.add_argument("--num-random", type=int, default=3)
+    p.add_argument("--num-grounded", type=int, default=len(TEXTS) * len(TASKS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--output-json", default=None)
