@@ -52,6 +52,7 @@ def worker_settings(engine: LLMEngine, **extra) -> dict:
     return {
         "dtype": engine.config.dtype,
         "quantization": engine.config.quantization,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
         "cpus": format_cpu_list(sorted(os.sched_getaffinity(0))),
         "threads": torch.get_num_threads(),
         **extra,

@@ -107,6 +107,19 @@ def test_quantized_kv_crosses_in_half_the_bytes_and_decodes_like_a_colocated_eng
     d_engine.pool.check_integrity()
 
 
+def test_both_workers_publish_their_kv_cache_dtype(pair):
+    import redis
+
+    from baton.common.index.registry import WorkerRegistry
+
+    decode, _ = pair
+    registry = WorkerRegistry(
+        redis.Redis.from_url(decode.config.redis_url), decode.engine.engine.model_name, 6
+    )
+    workers = registry.list("decode") + registry.list("prefill")
+    assert len(workers) == 2 and all(w.settings["kv_cache_dtype"] == "int8" for w in workers), workers
+
+
 @pytest.mark.parametrize("layout", ["bfloat16 30x2x3x16x64", "float8_e4m3fn 30x2x3x16x66"])
 def test_a_decode_worker_with_another_kv_layout_is_refused_at_the_handshake(pair, layout):
     decode, prefill = pair

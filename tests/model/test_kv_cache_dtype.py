@@ -95,3 +95,26 @@ def test_the_kv_step_bench_times_each_cache_against_the_first(int8_llm):
     assert [r["kv_bytes_per_token"] for r in runs] == [30 * 2 * 3 * 64 * 4, 30 * 2 * 3 * 66]  # fp32, int8
     for r in runs:
         assert r["attention"]["best_ms"] > 0 and r["step"]["best_ms"] > r["attention"]["best_ms"]
+
+
+def test_the_kv_cache_dtype_flag_reaches_every_command_and_baton_up_workers():
+    from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
+
+    parser = build_parser()
+    for cmd in (
+        ["generate", "--prompt", "hi"],
+        ["bench", "offline"],
+        ["bench", "latency"],
+        ["prefill"],
+        ["decode"],
+    ):
+        assert (
+            _engine_kwargs(parser.parse_args([*cmd, "--kv-cache-dtype", "fp8_e4m3"]))["kv_cache_dtype"]
+            == "fp8_e4m3"
+        )
+        assert _engine_kwargs(parser.parse_args(cmd))["kv_cache_dtype"] == "auto"
+    flags = _engine_flags(parser.parse_args(["up", "--kv-cache-dtype", "int8"]))
+    assert flags[flags.index("--kv-cache-dtype") + 1] == "int8"
+    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["kv_cache_dtype"] == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["decode", "--kv-cache-dtype", "int4"])
