@@ -1167,7 +1167,14 @@ void run_shared(const CascadeParams& p, int64_t n_groups) {
 #ifdef BATON_CASCADE_AVX512
   const SharedRangeFn fast = pick_shared<T>(p.D);
 #endif
-  parallel_ranges(work, 16384, [&](int64_t lo, int64_t hi) {
+  // On AMX the shared pass is cheap (64 rows x 2k shared tokens: ~0.7 ms on one core), so below
+  // ~2 ms of work it runs on one thread: a second parallel region would cost more than it saves
+  // whenever a thread waits for a core (a loaded machine), as the suffix pass after it already may.
+  int64_t min_work = 16384;
+#ifdef BATON_CASCADE_AMX
+  if (fast == &SharedAmx::range) min_work = 4'000'000;
+#endif
+  parallel_ranges(work, min_work, [&](int64_t lo, int64_t hi) {
 #ifdef BATON_CASCADE_AVX512
     if (fast != nullptr) {
       fast(p, items, lo, hi);
