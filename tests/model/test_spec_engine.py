@@ -249,7 +249,9 @@ def test_structured_requests_are_not_speculated(target, tok):
 def test_smollm2_greedy_output_is_identical_with_ngram_speculation(llm_fp32):
     """The real model in fp32, on a prompt-grounded task (repeat a given text with one change)."""
     base = llm_fp32.engine
-    config = EngineConfig(dtype="float32", kv_cache_gib=0.1, speculative="ngram", adaptive_speculation=False)
+    config = EngineConfig(
+        dtype="float32", kv_cache_gib=0.1, max_model_len=2048, speculative="ngram", adaptive_speculation=False
+    )
     spec = LLMEngine(config, base.model, base.tokenizer, base.eos_token_ids)
     text = (
         "Baton serves large language models with disaggregated prefill and decode: a prompt is "
