@@ -531,8 +531,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     """The engine options of ``a`` as command-line flags, to pass on to a worker process (but the
     dtype, which ``baton up`` resolves first)."""
     flags = ["--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype]
-    flags += ["--quantization", a.quantization] if a.quantization else []
     flags += ["--device", a.device] if a.device != "cpu" else []
+    flags += ["--quantization", a.quantization] if a.quantization else []
     flags += [
         "--max-num-batched-tokens",
         str(a.max_num_batched_tokens),

@@ -81,6 +81,13 @@ class EngineConfig:
     """Most tokens those requests may still have to compute; past it a new one is refused."""
     max_consecutive_failed_steps: int = 3
     """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
+    cascade: str = "auto"
+    """Cascade attention for decode rows sharing prefix blocks: ``auto`` (a cost model decides per
+    step, ``cascade_plan``) or ``off``."""
+    cascade_min_shared_blocks: int = 4
+    """Fewest full blocks a group of decode rows must share for a cascade."""
+    jump_forward: bool = True
+    """Structured outputs append a grammar's forced continuation without sampling it."""
     speculative: str | None = None
     """Speculative decoding: ``ngram`` (prompt lookup) or ``draft`` (``draft_model``); None: off."""
     num_speculative_tokens: int = 4
@@ -93,13 +100,6 @@ class EngineConfig:
     """The draft model (``speculative="draft"``): a smaller Llama of the same tokenizer."""
     adaptive_speculation: bool = True
     """Propose fewer tokens, down to none, where the step's cost model says they would not pay."""
-    jump_forward: bool = True
-    """Structured outputs append a grammar's forced continuation without sampling it."""
-    cascade: str = "auto"
-    """Cascade attention for decode rows sharing prefix blocks: ``auto`` (a cost model decides per
-    step, ``cascade_plan``) or ``off``."""
-    cascade_min_shared_blocks: int = 4
-    """Fewest full blocks a group of decode rows must share for a cascade."""
     tensor_parallel_size: int = 1
     """Ranks (processes of this one, ``common.parallel``) the model's heads and MLP are split across."""
 
@@ -127,15 +127,6 @@ class EngineConfig:
             self.draft_model,
             self.adaptive_speculation,
         )
-
-
-def _device_available(device: str) -> bool:
-    """Whether torch can allocate on ``device`` (``cuda``, ``cuda:1``) here."""
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError):  # no CUDA build, no GPU, or no such index
-        return False
-    return True
 
 
 def _device_available(device: str) -> bool:

@@ -118,13 +118,13 @@ class ModelRunner:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = kv_cache.device
-        self.grammars: StructuredOutputs | None = None
-        """The engine's structured outputs: the rows of requests with a grammar are masked."""
         self.cascade = cascade
         # Steps that used cascade attention, their groups and the decode rows in them (metrics).
         self.num_cascade_steps = 0
         self.num_cascade_groups = 0
         self.num_cascade_queries = 0
+        self.grammars: StructuredOutputs | None = None
+        """The engine's structured outputs: the rows of requests with a grammar are masked."""
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
