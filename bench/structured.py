@@ -227,7 +227,11 @@ def baton_cluster(jump_forward: bool, dtype: str) -> Iterator[tuple[str, str]]:
     try:
         asyncio.run_coroutine_threadsafe(worker.start(), loop).result(timeout=600)
         port = free_port()
-        server = make_server(GatewayConfig(port=port, redis_url=redis_url, log_level="warning"))
+        # A loaded host can stall a step past the default 10 s: not a hung worker to migrate from.
+        gateway = GatewayConfig(
+            port=port, redis_url=redis_url, log_level="warning", stream_progress_timeout_s=600
+        )
+        server = make_server(gateway)
         threading.Thread(target=server.run, daemon=True).start()
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
