@@ -20,6 +20,7 @@ from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.engine.structured import StructuredOutputs
 from baton.common.model.attention import AttentionMetadata, CascadeGroups, PrefillSegment, plan_prefills
 from baton.common.model.llama import Linear, LlamaForCausalLM
+from baton.common.model.quant import QuantLinear
 from baton.kernels import kv_quant
 
 
@@ -223,15 +224,16 @@ class ModelRunner:
         that none is built while serving (see ``padded_num_tokens``). Projections on other paths
         (fp32 runs MKL's GEMM, which builds nothing per shape) are left alone."""
         shapes = {
-            (m.in_features, m.out_features): m
-            for m in self.model.modules()
-            if isinstance(m, Linear) and m.packed is not None
+            (type(m), m.in_features, m.out_features): m
+            for name, m in self.model.named_modules()
+            if (isinstance(m, Linear) and m.packed is not None)
+            or (isinstance(m, QuantLinear) and name != "lm_head_quant")  # oneDNN's int8 primitives too
         }
         dtype = self.model.embed_tokens.weight.dtype
         for n in token_buckets(max_tokens) if shapes else ():
-            for (k, _), linear in shapes.items():
+            for (_, k, _), linear in shapes.items():
                 linear(torch.zeros(n, k, dtype=dtype, device=self.device))
-        if self.model.lm_head_packed is None:
+        if self.model.lm_head_packed is None and self.model.lm_head_quant is None:
             return
         hidden = self.model.config.hidden_size
         for n in range(1, max_sampled + 1):
