@@ -53,7 +53,9 @@ class EngineCollector:
             "Prompt tokens this worker computed.",
             e.num_prompt_tokens_computed_total,
         )
-        yield self._c("baton:generation_tokens", "Tokens generated.", e.num_generated_tokens_total)
+        structured = getattr(e, "structured", None)
+        forced = structured.stats.forced_tokens if structured is not None else 0  # output, not sampled
+        yield self._c("baton:generation_tokens", "Tokens generated.", e.num_generated_tokens_total + forced)
         yield self._c("baton:num_preemptions", "Requests preempted.", e.num_preemptions_total)
         yield self._c("baton:engine_steps", "Engine steps run.", e.num_steps_total)
         yield self._c("baton:engine_step_seconds", "Time in engine steps.", e.step_seconds_total)

@@ -169,15 +169,23 @@ def test_the_sdk_raises_bad_request(client):
     assert e.value.status_code == 400
 
 
-def test_jump_forward_shows_on_the_worker_metrics(client, cluster):
-    client.chat.completions.create(
-        model="m", messages=CHAT, response_format=_schema_format(ORDER), max_tokens=60
-    )
+def _worker_metrics(cluster) -> dict[str, float]:
     metrics = httpx.get(f"http://127.0.0.1:{cluster[1].metrics_port}/metrics", timeout=10).text
-    values = {
+    return {
         line.split("{")[0]: float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
         if line.startswith("baton:") and "{" in line
     }
-    assert values["baton:jump_forward_tokens_total"] > 0
+
+
+def test_jump_forward_shows_on_the_worker_metrics(client, cluster):
+    before = _worker_metrics(cluster)
+    done = client.chat.completions.create(
+        model="m", messages=CHAT, response_format=_schema_format(ORDER), max_tokens=60
+    )
+    values = _worker_metrics(cluster)
+    assert values["baton:jump_forward_tokens_total"] > before.get("baton:jump_forward_tokens_total", 0)
     assert 0 < values["baton:forward_steps_per_output_token"] < 1
+    # Forced tokens are output tokens: the worker counts every token the client was sent.
+    generated = values["baton:generation_tokens_total"] - before["baton:generation_tokens_total"]
+    assert generated == done.usage.completion_tokens
