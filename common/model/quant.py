@@ -375,7 +375,9 @@ def _part_sizes(model: LlamaForCausalLM, tail: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
-def save_quantized(model: LlamaForCausalLM, quantization: str, dtype: torch.dtype, out_dir: str, tokenizer) -> None:
+def save_quantized(
+    model: LlamaForCausalLM, quantization: str, dtype: torch.dtype, out_dir: str, tokenizer
+) -> None:
     """Write a quantized model as a compressed-tensors checkpoint directory: model.safetensors,
     config.json (with ``quantization_config``) and the tokenizer."""
     from safetensors.torch import save_file
