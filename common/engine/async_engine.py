@@ -134,6 +134,8 @@ class AsyncEngine:
         self._on_cache_events = on_cache_events
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._submitted = 0  # requests put on the command queue and not yet taken by the engine
+        self._submitted_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -196,9 +198,7 @@ class AsyncEngine:
         self.engine.validate_request(prompt_token_ids, params, resume_token_ids)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.stop)
         stream.sent_tokens, stream.sent_text = len(resume_token_ids), max(resume_text_chars, 0)
-        self._commands.put(
-            ("add", request_id, list(prompt_token_ids), params, stream, list(resume_token_ids))
-        )
+        self._submit(("add", request_id, list(prompt_token_ids), params, stream, list(resume_token_ids)))
         finished = False
         try:
             while True:
@@ -232,7 +232,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.stop)
         reserved: asyncio.Future = loop.create_future()
-        self._commands.put(("reserve", request_id, list(prompt_token_ids), params, stream, reserved))
+        self._submit(("reserve", request_id, list(prompt_token_ids), params, stream, reserved))
         finished = False
         try:
             try:
@@ -314,6 +314,8 @@ class AsyncEngine:
                 continue
 
     def _refuse(self, cmd: tuple) -> None:
+        if cmd[0] in ("add", "reserve"):
+            self._taken()
         if cmd[0] == "add":
             stream = cmd[4]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self._dead_error())
@@ -333,8 +335,27 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _submit(self, cmd: tuple) -> None:
+        """Queue a new request for the engine thread, or raise ``EngineFullError`` when as many as
+        the waiting queue holds are already on their way to it: a burst faster than the engine
+        drains its commands (one step) costs bounded memory, and the excess a 429 at once."""
+        cap = self.engine.config.max_waiting_requests
+        with self._submitted_lock:
+            if self._submitted >= cap:
+                raise EngineFullError(
+                    f"{self._submitted} requests are on their way to the engine (max_waiting_requests={cap})"
+                )
+            self._submitted += 1
+        self._commands.put(cmd)
+
+    def _taken(self) -> None:
+        with self._submitted_lock:
+            self._submitted -= 1
+
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
+        if kind in ("add", "reserve"):
+            self._taken()
         if kind == "add":
             _, rid, ids, params, stream, resumed = cmd
             try:

@@ -548,10 +548,13 @@ class LLMEngine:
             return self._fail_step(sched, e)
         forward_seconds = time.perf_counter() - forward
         self.forward_seconds_total += forward_seconds
-        if spec is not None:
-            spec.observe_step(sched, result, forward_seconds)
-        if self.on_step_computed is not None:
-            self.on_step_computed(sched)
+        try:  # the step's hooks fail like the step: its requests, not the engine thread
+            if spec is not None:
+                spec.observe_step(sched, result, forward_seconds)
+            if self.on_step_computed is not None:
+                self.on_step_computed(sched)
+        except Exception as e:  # noqa: BLE001
+            return self._fail_step(sched, e)
         progressed = self.scheduler.update_from_output(sched, result.sampled)
         self.num_generated_tokens_total += self.scheduler.num_new_tokens
         refused = self.structured.advance(progressed)  # and jumps forward where a grammar forces

@@ -224,13 +224,26 @@ class RequestIdMiddleware:
         scope.setdefault("state", {}).update(request_id=request_id, worker_request_id=worker_id)
         endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
 
+        started = False
+
         async def send_with_id(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
                 self.metrics.http_requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            if started:  # a stream already under way: nothing can be sent in its place
+                raise
+            # Answered here rather than by Starlette's outermost handler, so that the 500 has the
+            # OpenAI shape, the request id the operator greps the log for, and its count.
+            log.exception("unhandled error (request %s)", request_id)
+            response = APIError(500, "internal error", type="server_error").response()
+            await response(scope, receive, send_with_id)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

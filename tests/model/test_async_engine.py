@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import replace
 
 import pytest
 
 from baton.common.engine.async_engine import AsyncEngine
-from baton.common.engine.llm_engine import LLMEngine
+from baton.common.engine.llm_engine import EngineFullError, LLMEngine
 from baton.common.llm import SamplingParams
 
 from .helpers import wait_engine_idle
@@ -153,3 +155,43 @@ def test_a_factory_that_fails_fails_start():
         engine.start()
     assert isinstance(info.value.__cause__, OSError)
     assert not engine.is_running
+
+
+def test_a_burst_past_the_waiting_cap_is_refused_before_it_reaches_the_engine(llm_fp32):
+    """Requests on their way to a busy engine thread count against ``max_waiting_requests``: the
+    command queue stays bounded, the one past the cap gets ``EngineFullError`` at once, and every
+    request admitted completes."""
+    src = llm_fp32.engine
+    config = replace(src.config, max_waiting_requests=2)
+    llm_engine = LLMEngine(config, src.model, src.tokenizer, src.eos_token_ids)
+    entered, release = threading.Event(), threading.Event()
+    real_step = llm_engine.step
+
+    def held_step(*args, **kwargs):
+        entered.set()
+        assert release.wait(60), "the test never released the engine thread"
+        return real_step(*args, **kwargs)
+
+    llm_engine.step = held_step
+    engine = AsyncEngine(llm_engine)
+    engine.start()
+
+    async def main():
+        first = asyncio.ensure_future(_collect(engine, "first", [500, 501, 502], GREEDY))
+        assert await asyncio.to_thread(entered.wait, 60), "the engine never stepped"
+        queued = [asyncio.ensure_future(_collect(engine, f"q{i}", [600 + i, 7, 8], GREEDY)) for i in range(2)]
+        for _ in range(10):  # let both reach the command queue (each yields once it is queued)
+            await asyncio.sleep(0)
+        with pytest.raises(EngineFullError, match="max_waiting_requests=2"):
+            await _collect(engine, "over", [9, 10, 11], GREEDY)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(first, *queued), 120)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        release.set()
+        wait_engine_idle(llm_engine)
+        engine.stop()
+    assert [len(tokens) for _, tokens, _ in results] == [16, 16, 16]
+    llm_engine.pool.check_integrity()

@@ -88,6 +88,26 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(llm_fp32, 
     assert engine.pool.take_events().removed  # the uncached blocks left the prefix index too
 
 
+def test_a_step_hook_that_raises_fails_the_step_not_the_engine(llm_fp32, refs):
+    """``on_step_computed`` (the prefill worker's KV push) raising is a failed step: its requests
+    end with an error, the engine thread lives and serves the next request exactly."""
+    engine = _engine(llm_fp32)
+
+    def broken_hook(sched) -> None:
+        raise RuntimeError("injected hook fault")
+
+    engine.on_step_computed = broken_hook
+    engine.add_request("a", PROMPT, GREEDY)
+    outs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "error")]
+    assert "injected hook fault" in outs[0].outputs[0].error
+    engine.pool.check_integrity()
+    engine.on_step_computed = None
+    engine.add_request("again", PROMPT, GREEDY)
+    assert _run(engine)["again"][0].token_ids == refs["prompt"]
+    _idle_and_balanced(engine)
+
+
 def test_failed_steps_in_a_row_are_fatal_and_a_good_step_resets_the_count(llm_fp32, monkeypatch):
     engine = _engine(llm_fp32, max_consecutive_failed_steps=3)
     real = engine.runner.execute

@@ -128,3 +128,29 @@ def test_limits_below_one_are_refused(monkeypatch):
     monkeypatch.delenv("BATON_API_KEY", raising=False)
     assert _front_door(_gateway_args("--max-concurrent-requests", "0")) is None
     assert _front_door(_gateway_args("--max-body-bytes", "0")) is None
+
+
+def test_an_unhandled_error_is_an_openai_500_with_the_request_id_and_counted():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from baton.services.gateway.app import REQUEST_ID_HEADER, RequestIdMiddleware
+    from baton.services.gateway.metrics import GatewayMetrics
+
+    app = FastAPI()
+    metrics = GatewayMetrics("m")
+
+    @app.get("/v1/models")
+    async def broken():
+        raise RuntimeError("a bug, not the client's doing")
+
+    app.add_middleware(RequestIdMiddleware, metrics=metrics)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/v1/models", headers={REQUEST_ID_HEADER: "req-42"})
+    assert r.status_code == 500
+    assert r.headers[REQUEST_ID_HEADER] == "req-42"
+    assert r.json()["error"]["type"] == "server_error" and "a bug" not in r.text
+    counted = metrics.registry.get_sample_value(
+        "baton:http_requests_total", {"endpoint": "/v1/models", "status": "500"}
+    )
+    assert counted == 1
