@@ -50,3 +50,14 @@ def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
     if not torch.cuda.is_available():  # refused before any weight is read
         with pytest.raises(ValueError, match="device 'cuda' is not available"):
             LLMEngine.from_config(EngineConfig(device="cuda"))
+
+
+def test_no_jump_forward_reaches_workers_directly_and_through_baton_up():
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args(["decode"]))["jump_forward"] is True
+    offline = parser.parse_args(["generate", "--prompt", "x", "--no-jump-forward"])
+    assert _engine_kwargs(offline)["jump_forward"] is False
+    assert "--no-jump-forward" not in _engine_flags(parser.parse_args(["up"]))
+    flags = _engine_flags(parser.parse_args(["up", "--no-jump-forward"]))
+    assert "--no-jump-forward" in flags
+    assert _engine_kwargs(parser.parse_args(["decode", *flags]))["jump_forward"] is False
