@@ -76,18 +76,6 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         default=1,
         help="ranks (processes of this command) the model's heads and MLP are split across (default 1)",
     )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="MoE models: place whole experts across the tensor- or data-parallel ranks instead of splitting each",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=int,
-        default=1,
-        help="engine replicas, each with its own scheduler, KV cache and CPUs (offline commands; default 1)",
-    )
     _spec_args(p)
 
 
@@ -214,8 +202,6 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         adaptive_speculation=not a.no_adaptive_speculation,
         jump_forward=not a.no_jump_forward,
         tensor_parallel_size=a.tensor_parallel_size,
-        enable_expert_parallel=a.enable_expert_parallel,
-        data_parallel_size=a.data_parallel_size,
     )
 
 
@@ -395,21 +381,12 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
-    """Exit code 2 for a tensor-parallel worker whose KV would cross to another worker over nccl:
-    re-sharded transfers (each rank its own heads) run over ucx. And for any worker given
-    data-parallel replicas: a worker serves one engine (run more workers instead)."""
-    if a.data_parallel_size > 1:
+    """Exit code 2 for a tensor-parallel worker whose KV would cross to another worker: the KV
+    transport moves rank 0's cache (its heads) only, until transfers are re-sharded."""
+    if a.tensor_parallel_size > 1 and moves_kv:
         print(
-            "error: --data-parallel-size > 1 runs offline only for now (baton generate, baton bench"
-            " offline): a worker serves one engine; run more workers, which the gateway spreads load over",
-            file=sys.stderr,
-        )
-        return 2
-    # baton up's per-role degrees default to --tensor-parallel-size; the worker commands have none.
-    tp = max(a.tensor_parallel_size, getattr(a, "prefill_tp", None) or 1, getattr(a, "decode_tp", None) or 1)
-    if tp > 1 and moves_kv and a.kv_transport != "ucx":
-        print(
-            "error: tensor-parallel workers move KV (each rank its own heads) over --kv-transport ucx only",
+            "error: --tensor-parallel-size > 1 runs colocated only for now (--colocated): the KV"
+            " transport would move rank 0's heads alone",
             file=sys.stderr,
         )
         return 2
@@ -549,8 +526,6 @@ def cmd_up(a: argparse.Namespace) -> int:
             block_size=a.block_size,
             log_dir=a.log_dir,
             colocated=a.colocated,
-            prefill_tp=a.prefill_tp or a.tensor_parallel_size,
-            decode_tp=a.decode_tp or a.tensor_parallel_size,
             cpus=a.cpus,
             drain_timeout_s=a.drain_timeout,
             metrics_port=a.metrics_port,
@@ -580,7 +555,6 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     flags += ["--cascade", a.cascade]
     flags += ["--tensor-parallel-size", str(a.tensor_parallel_size)] if a.tensor_parallel_size > 1 else []
-    flags += ["--enable-expert-parallel"] if a.enable_expert_parallel else []
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
     if a.speculative:
@@ -654,19 +628,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--colocated",
         action="store_true",
         help="decode workers prefill too: no prefill workers, no KV transfer",
-    )
-    up.add_argument(
-        "--prefill-tp",
-        type=int,
-        default=None,
-        help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)",
-    )
-    up.add_argument(
-        "--decode-tp",
-        type=int,
-        default=None,
-        help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); the KV is "
-        "re-sharded in transfer where the two differ",
     )
     up.add_argument(
         "--cpus",
