@@ -102,11 +102,18 @@ class EngineConfig:
     """Propose fewer tokens, down to none, where the step's cost model says they would not pay."""
     tensor_parallel_size: int = 1
     """Ranks (processes of this one, ``common.parallel``) the model's heads and MLP are split across."""
+    enable_expert_parallel: bool = False
+    """A mixture-of-experts model's experts are placed whole across the tensor- or data-parallel
+    ranks (``parallel.expert``) instead of every expert being split across them."""
+    data_parallel_size: int = 1
+    """Engine replicas, each with its own scheduler, KV cache and CPUs (``parallel.data_parallel``);
+    a MoE model's with ``enable_expert_parallel`` run attention apart beside experts placed across them."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         from baton.common.model.quant import check_quantization
 
         check_quantization(self.quantization)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from baton.common.model import quant
 from baton.common.model.config import LlamaConfig
 from baton.common.model.llama import LlamaForCausalLM
+from baton.common.model.mixtral import MixtralConfig, MixtralForCausalLM, assemble_experts, is_mixtral
 from baton.common.model.source import ModelSource
 
 # -- GGUF ---------------------------------------------------------------------------------------
@@ -138,7 +139,8 @@ def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Te
             state[name] = t
     for head, p in parts.items():
         state[f"{head}.self_attn.qkv_proj.weight"] = torch.cat([p["q"], p["k"], p["v"]])
-        state[f"{head}.mlp.gate_up_proj.weight"] = torch.cat([p["gate"], p["up"]])
+        if "gate" in p:  # a dense MLP (a Mixtral layer's experts are ``mixtral.assemble_experts``')
+            state[f"{head}.mlp.gate_up_proj.weight"] = torch.cat([p["gate"], p["up"]])
     if cfg.tie_word_embeddings:
         state.pop("lm_head_weight", None)
     return state
@@ -151,7 +153,12 @@ def read_config(source: ModelSource) -> LlamaConfig:
 
         return gguf_config(GGUFReader(source.path))
     with open(os.path.join(source.path, "config.json")) as f:
-        return LlamaConfig.from_hf(json.load(f))
+        return config_from_hf(json.load(f))
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """The model's shape from its config.json: a ``MixtralConfig`` for Mixtral, else Llama's."""
+    return MixtralConfig.from_hf(hf) if is_mixtral(hf) else LlamaConfig.from_hf(hf)
 
 
 def load_model(
@@ -161,10 +168,12 @@ def load_model(
     progress: bool = False,
     quantization: str | None = None,
     tensor_parallel=None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """``quantization``: ``int8``/``fp8`` weights (``quant``), quantized here or, from a
     compressed-tensors checkpoint, as stored (which then needs no flag). ``tensor_parallel``: a
-    ``RankGroup`` whose rank's shard is kept (``tensor_parallel.shard_model``)."""
+    ``RankGroup`` whose rank's shard is kept (``tensor_parallel.shard_model``); with
+    ``expert_parallel`` a MoE model's experts are placed whole across its ranks, not sliced."""
     prequantized: dict = {}
     if source.kind == "gguf":
         from gguf import GGUFReader
@@ -175,12 +184,14 @@ def load_model(
     else:
         with open(os.path.join(source.path, "config.json")) as f:
             hf = json.load(f)
-        cfg = LlamaConfig.from_hf(hf)
+        cfg = config_from_hf(hf)
         quantization = _checkpoint_agrees(quant.checkpoint_quantization(hf), quantization)
         state = _assemble(_iter_safetensors(source.path, progress), cfg, dtype)
+        if isinstance(cfg, MixtralConfig):
+            state = assemble_experts(state)
         prequantized = quant.take_prequantized(state)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = MixtralForCausalLM(cfg) if isinstance(cfg, MixtralConfig) else LlamaForCausalLM(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rotary.") and m != "lm_head_weight"]
@@ -197,7 +208,7 @@ def load_model(
     if tensor_parallel is not None:
         from baton.common.model.tensor_parallel import shard_model
 
-        shard_model(model, tensor_parallel)
+        shard_model(model, tensor_parallel, expert_parallel)
     if quantization is not None:
         quant.quantize_model(model, quantization, prequantized)
     model.prepack()

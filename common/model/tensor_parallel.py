@@ -162,7 +162,20 @@ def _shard_mlp(mlp: LlamaMLP, cfg: LlamaConfig, shard: Shard, local: LlamaConfig
     return out
 
 
-def shard_model(model: LlamaForCausalLM, group: RankGroup) -> LlamaForCausalLM:
+def _shard_ffn(
+    mlp: nn.Module, cfg, shard: Shard, local, group: RankGroup, expert_parallel: bool
+) -> nn.Module:
+    """A layer's MLP: Llama's row-parallel, or a mixture of experts' (``parallel.expert``)."""
+    from baton.common.model.moe import SparseMoE
+
+    if isinstance(mlp, SparseMoE):
+        from baton.common.parallel.expert import shard_moe
+
+        return shard_moe(mlp, cfg, shard, local, group, expert_parallel)
+    return RowParallel(_shard_mlp(mlp, cfg, shard, local), group)
+
+
+def shard_model(model: LlamaForCausalLM, group: RankGroup, expert_parallel: bool = False) -> LlamaForCausalLM:
     """Cut the loaded (not yet packed, not quantized) ``model`` into ``group.rank``'s shard, in place.
     Afterwards ``model.config`` is the rank's shape (``shard_config``), so its KV cache holds only
     its KV heads, and ``model.tp_shard`` says what it holds."""
@@ -172,7 +185,7 @@ def shard_model(model: LlamaForCausalLM, group: RankGroup) -> LlamaForCausalLM:
     with torch.device("cpu"):  # new modules are built small, then get the sliced weights
         for layer in model.layers:
             layer.self_attn = RowParallel(_shard_attention(layer.self_attn, cfg, shard, local), group)
-            layer.mlp = RowParallel(_shard_mlp(layer.mlp, cfg, shard, local), group)
+            layer.mlp = _shard_ffn(layer.mlp, cfg, shard, local, group, expert_parallel)
     v0, v1 = shard.vocab
     head = model.lm_head_weight.data[v0:v1].contiguous()
     model.embed_tokens = VocabParallelEmbedding(

@@ -48,6 +48,8 @@ class ParallelConfig:
     pin: bool = True
     """Split this process's CPUs among the ranks: the others are pinned to their share, and every
     rank's torch threads match its share (rank 0's restored by ``close``)."""
+    expert_parallel: bool = False
+    """A MoE model's experts are placed whole across the ranks instead of each being sliced."""
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -244,6 +246,7 @@ def launch(load, model_name: str | None, dtype: torch.dtype, config: ParallelCon
                 model_name,
                 str(dtype).removeprefix("torch."),
                 shares[r],
+                expert_parallel=config.expert_parallel,
             )
             workers.append(_spawn(spec))
         saved = None
@@ -274,9 +277,12 @@ def load_tensor_parallel(engine_config, dtype: torch.dtype, progress: bool = Fal
         raise ValueError("--quantization is not supported with --tensor-parallel-size > 1 yet")
     source = ModelSource.resolve(engine_config.model)
     plan_shard(read_config(source), 0, engine_config.tensor_parallel_size)  # ValueError before any spawn
-    config = ParallelConfig(engine_config.tensor_parallel_size, engine_config.device)
+    ep = engine_config.enable_expert_parallel
+    config = ParallelConfig(engine_config.tensor_parallel_size, engine_config.device, expert_parallel=ep)
 
     def load(group: RankGroup):
-        return load_model(source, dtype, engine_config.device, progress=progress, tensor_parallel=group)
+        return load_model(
+            source, dtype, engine_config.device, progress=progress, tensor_parallel=group, expert_parallel=ep
+        )
 
     return launch(load, engine_config.model, dtype, config)

@@ -36,6 +36,8 @@ class WorkerSpec:
     """Weights' dtype, a torch name (``bfloat16``, ``float32``)."""
     cpus: tuple[int, ...]
     """CPUs to run on (empty: the inherited affinity); torch's threads match their count."""
+    expert_parallel: bool = False
+    """A MoE model's experts are placed whole across the ranks (``load_model``'s flag)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -68,7 +70,11 @@ def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     _pin(spec.cpus)
     group = RankGroup(GroupConfig(spec.rank, spec.size, spec.host, spec.port, spec.device, spec.timeout_s))
     model = load_model(
-        ModelSource.resolve(spec.model), getattr(torch, spec.dtype), spec.device, tensor_parallel=group
+        ModelSource.resolve(spec.model),
+        getattr(torch, spec.dtype),
+        spec.device,
+        tensor_parallel=group,
+        expert_parallel=spec.expert_parallel,
     )
     os.write(ready, b"ready\n")
     group.start()
