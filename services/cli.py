@@ -76,6 +76,13 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         default=1,
         help="ranks (processes of this command) the model's heads and MLP are split across (default 1)",
     )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="stages (of --tensor-parallel-size ranks each) the model's layers are split into (default 1)",
+    )
     _spec_args(p)
 
 
@@ -202,6 +209,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         adaptive_speculation=not a.no_adaptive_speculation,
         jump_forward=not a.no_jump_forward,
         tensor_parallel_size=a.tensor_parallel_size,
+        pipeline_parallel_size=a.pipeline_parallel_size,
     )
 
 
@@ -383,6 +391,13 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
 def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
     """Exit code 2 for a tensor-parallel worker whose KV would cross to another worker: the KV
     transport moves rank 0's cache (its heads) only, until transfers are re-sharded."""
+    if a.pipeline_parallel_size > 1 and moves_kv:
+        print(
+            "error: --pipeline-parallel-size > 1 runs colocated only for now (--colocated): each stage"
+            " holds its own layers' KV, and transfers move one rank's layers",
+            file=sys.stderr,
+        )
+        return 2
     if a.tensor_parallel_size > 1 and moves_kv:
         print(
             "error: --tensor-parallel-size > 1 runs colocated only for now (--colocated): the KV"
@@ -555,6 +570,9 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     flags += ["--cascade", a.cascade]
     flags += ["--tensor-parallel-size", str(a.tensor_parallel_size)] if a.tensor_parallel_size > 1 else []
+    flags += (
+        ["--pipeline-parallel-size", str(a.pipeline_parallel_size)] if a.pipeline_parallel_size > 1 else []
+    )
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
     if a.speculative:

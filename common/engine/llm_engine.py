@@ -108,10 +108,12 @@ class EngineConfig:
     data_parallel_size: int = 1
     """Engine replicas, each with its own scheduler, KV cache and CPUs (``parallel.data_parallel``);
     a MoE model's with ``enable_expert_parallel`` run attention apart beside experts placed across them."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are cut into, each of ``tensor_parallel_size`` ranks (``parallel.pipeline``)."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         from baton.common.model.quant import check_quantization
@@ -277,7 +279,11 @@ class LLMEngine:
             on_gpu = config.device != "cpu"
             dtype = "bfloat16" if on_gpu else cached_probe(source.path, torch.get_num_threads()).dtype
             config = replace(config, dtype=dtype)
-        if config.tensor_parallel_size > 1:
+        if config.pipeline_parallel_size > 1:
+            from baton.common.parallel.pipeline_driver import load_pipeline_parallel
+
+            model = load_pipeline_parallel(config, parse_dtype(config.dtype), progress)
+        elif config.tensor_parallel_size > 1:
             from baton.common.parallel.driver import load_tensor_parallel
 
             model = load_tensor_parallel(config, parse_dtype(config.dtype), progress)

@@ -105,6 +105,10 @@ class TensorParallelModel(nn.Module):
     def lm_head_packed(self):
         return self.model.lm_head_packed
 
+    @property
+    def lm_head_quant(self):  # the runner's warm-up asks (None: no quantized LM head)
+        return getattr(self.model, "lm_head_quant", None)
+
     def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         self._send(messages.Forward(input_ids, positions, meta, tuple(kv_cache.shape), kv_cache.dtype))
         return self._collective(lambda: self.model(input_ids, positions, kv_cache, meta))
@@ -118,6 +122,12 @@ class TensorParallelModel(nn.Module):
         return self._collective(lambda: parallel_greedy(self.model, hidden))
 
     # -- failures ----------------------------------------------------------------------------
+    kind = "tensor-parallel"
+    """How errors name the ranks."""
+
+    def _describe(self, rank: int, code: int) -> str:
+        return f"rank {rank} (pid {self.workers[rank - 1].pid}, exit code {code})"
+
     def dead_ranks(self) -> list[tuple[int, int]]:
         """(rank, exit code) of every other rank that has exited."""
         return [(r, p.returncode) for r, p in enumerate(self.workers, 1) if p.poll() is not None]
@@ -125,10 +135,10 @@ class TensorParallelModel(nn.Module):
     def _fail(self, cause: BaseException | None) -> RankFailedError:
         dead = self.dead_ranks()
         if dead:
-            names = ", ".join(f"rank {r} (pid {self.workers[r - 1].pid}, exit code {c})" for r, c in dead)
-            err = RankFailedError(f"tensor-parallel {names} exited")
+            names = ", ".join(self._describe(r, c) for r, c in dead)
+            err = RankFailedError(f"{self.kind} {names} exited")
         else:
-            err = RankFailedError(f"tensor-parallel collective failed: {cause}")
+            err = RankFailedError(f"{self.kind} collective failed: {cause}")
         self._failed = err
         return err
 
@@ -198,16 +208,16 @@ def _close_pipes(p: subprocess.Popen) -> None:
                 pass
 
 
-def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+def _spawn(spec, module: str = "baton.common.parallel.worker") -> subprocess.Popen:
     # stdin: commands; stdout: the ready line; stderr: the caller's, so a rank's error shows.
     return subprocess.Popen(
-        [sys.executable, "-m", "baton.common.parallel.worker", spec.to_json()],
+        [sys.executable, "-m", module, spec.to_json()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
 
 
-def _await_ready(workers: list[subprocess.Popen], timeout_s: float) -> None:
+def _await_ready(workers: list[subprocess.Popen], timeout_s: float, kind: str = "tensor-parallel") -> None:
     """Every other rank's ready line, or ``RankFailedError`` for the first that exits or is late."""
     deadline = time.monotonic() + timeout_s
     for r, p in enumerate(workers, 1):
@@ -215,16 +225,14 @@ def _await_ready(workers: list[subprocess.Popen], timeout_s: float) -> None:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RankFailedError(f"tensor-parallel rank {r} did not load its shard in {timeout_s:.0f} s")
+                raise RankFailedError(f"{kind} rank {r} did not load its shard in {timeout_s:.0f} s")
             readable, _, _ = select.select([p.stdout], [], [], min(left, 0.5))
             if readable:
                 line = p.stdout.readline()
                 if line.strip() == b"ready":
                     break
                 p.wait(5)
-                raise RankFailedError(
-                    f"tensor-parallel rank {r} exited with code {p.returncode} while loading"
-                )
+                raise RankFailedError(f"{kind} rank {r} exited with code {p.returncode} while loading")
 
 
 def launch(load, model_name: str | None, dtype: torch.dtype, config: ParallelConfig) -> TensorParallelModel:

@@ -2,7 +2,9 @@
 
 The group is built from its own ``TCPStore`` and process-group object, not the global
 ``init_process_group``: a worker may hold other groups (the KV transport's pairs), and a group
-that is an object can be closed and rebuilt. Pipeline parallelism can reuse it for its stages.
+that is an object can be closed and rebuilt. Pipeline parallelism builds several per rank (its
+stage's tensor-parallel ranks; the ranks of its tensor-parallel index across the stages, which hand
+activations on point to point: ``parallel.pipeline``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class RankGroup:
         out = [torch.empty_like(t) for _ in range(self.size)]
         self.pg.allgather([out], [t]).wait()
         return out
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Start sending ``t`` (contiguous, kept alive by the caller) to rank ``dst``; returns the
+        work to ``wait()`` on."""
+        return self.pg.send([t], dst, tag)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
+        """Start receiving into ``t`` from rank ``src``; returns the work to ``wait()`` on."""
+        return self.pg.recv([t], src, tag)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.config.device))

@@ -39,6 +39,21 @@ class Logits:
 
 
 @dataclass(frozen=True)
+class StageForward:
+    """A pipeline-parallel step: every stage runs its layers over each micro-batch in turn."""
+
+    batches: tuple[Any, ...]  # pipeline_parallel.MicroBatch
+    cache_shape: tuple[int, ...]
+    """Rank 0's KV cache shape; a rank's own has its layers and KV heads in place of rank 0's."""
+    cache_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class BusyIntervals:
+    """Answer with this rank's recent busy intervals (one JSON line on its stdout)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
