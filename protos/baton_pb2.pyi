@@ -60,6 +60,16 @@ class TransferDescriptor(_message.Message):
     extra_json: str
     def __init__(self, backend: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
+class RankDestination(_message.Message):
+    __slots__ = ("destination", "kv_head_start", "kv_head_end")
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    destination: TransferDescriptor
+    kv_head_start: int
+    kv_head_end: int
+    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "resume_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +125,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., published_unix_s: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "num_skip_tokens", "dst_block_ids", "kv_layout")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "destination", "num_skip_tokens", "dst_block_ids", "kv_layout", "rank_destinations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +133,7 @@ class PrefillRequest(_message.Message):
     NUM_SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -130,7 +141,8 @@ class PrefillRequest(_message.Message):
     num_skip_tokens: int
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_layout: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., num_skip_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    rank_destinations: _containers.RepeatedCompositeFieldContainer[RankDestination]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., num_skip_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., rank_destinations: _Optional[_Iterable[_Union[RankDestination, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "num_computed_tokens", "num_cached_tokens", "bytes_sent", "first_top_logprobs")
@@ -151,12 +163,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("destination", "kv_layout")
+    __slots__ = ("destination", "kv_layout", "rank_destinations")
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     destination: TransferDescriptor
     kv_layout: str
-    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    rank_destinations: _containers.RepeatedCompositeFieldContainer[RankDestination]
+    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_layout: _Optional[str] = ..., rank_destinations: _Optional[_Iterable[_Union[RankDestination, _Mapping]]] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ()

@@ -389,8 +389,9 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
-    """Exit code 2 for a tensor-parallel worker whose KV would cross to another worker: the KV
-    transport moves rank 0's cache (its heads) only, until transfers are re-sharded."""
+    """Exit code 2 for a pipeline-parallel worker whose KV would cross to another worker, and for a
+    tensor-parallel one that would move it over nccl: re-sharded transfers (each rank its own
+    heads) run over ucx."""
     if a.pipeline_parallel_size > 1 and moves_kv:
         print(
             "error: --pipeline-parallel-size > 1 runs colocated only for now (--colocated): each stage"
@@ -398,10 +399,11 @@ def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
             file=sys.stderr,
         )
         return 2
-    if a.tensor_parallel_size > 1 and moves_kv:
+    # baton up's per-role degrees default to --tensor-parallel-size; the worker commands have none.
+    tp = max(a.tensor_parallel_size, getattr(a, "prefill_tp", None) or 1, getattr(a, "decode_tp", None) or 1)
+    if tp > 1 and moves_kv and a.kv_transport != "ucx":
         print(
-            "error: --tensor-parallel-size > 1 runs colocated only for now (--colocated): the KV"
-            " transport would move rank 0's heads alone",
+            "error: tensor-parallel workers move KV (each rank its own heads) over --kv-transport ucx only",
             file=sys.stderr,
         )
         return 2
@@ -541,6 +543,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             block_size=a.block_size,
             log_dir=a.log_dir,
             colocated=a.colocated,
+            prefill_tp=a.prefill_tp or a.tensor_parallel_size,
+            decode_tp=a.decode_tp or a.tensor_parallel_size,
             cpus=a.cpus,
             drain_timeout_s=a.drain_timeout,
             metrics_port=a.metrics_port,
@@ -646,6 +650,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--colocated",
         action="store_true",
         help="decode workers prefill too: no prefill workers, no KV transfer",
+    )
+    up.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); the KV is "
+        "re-sharded in transfer where the two differ",
     )
     up.add_argument(
         "--cpus",

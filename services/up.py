@@ -50,6 +50,10 @@ class UpConfig:
     log_dir: str | None = None
     colocated: bool = False
     """One kind of worker that prefills and decodes (no prefill workers, no KV transfer)."""
+    prefill_tp: int = 1
+    """Tensor-parallel ranks of each prefill worker (``--tensor-parallel-size`` on its command)."""
+    decode_tp: int = 1
+    """Tensor-parallel ranks of each decode worker; the KV is re-sharded where the two differ."""
     cpus: str | None = None
     """Pin workers to cores: ``auto``, ``none`` or ``|``-separated cpu lists (prefill workers
     first); None: as the layout decides."""
@@ -283,6 +287,9 @@ def run_cluster(cfg: UpConfig) -> int:
                 args += [*drain, *cfg.tls_args]
                 if layout.colocated and role == "decode":
                     args.append("--colocated")
+                tp = cfg.prefill_tp if role == "prefill" else cfg.decode_tp
+                if tp > 1 or "--tensor-parallel-size" in cfg.engine_args:  # after engine_args: wins
+                    args += ["--tensor-parallel-size", str(tp)]
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1

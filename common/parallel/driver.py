@@ -17,6 +17,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,7 @@ class TensorParallelModel(nn.Module):
         self.workers = workers
         self._saved_threads = threads
         self._failed: RankFailedError | None = None
+        self._send_lock = threading.Lock()  # the KV transport's commands come from other threads
 
     @property
     def config(self):
@@ -148,13 +150,19 @@ class TensorParallelModel(nn.Module):
         if self.dead_ranks():
             raise self._fail(None)
 
+    def tell(self, message) -> None:
+        """Send ``message`` to every other rank, after everything sent before it (the KV
+        transport's commands, ``kv_ranks``); ``RankFailedError`` if a rank is gone."""
+        self._send(message)
+
     def _send(self, message) -> None:
         self._check()
         data = messages.encode(message)
         try:
-            for p in self.workers:
-                assert p.stdin is not None
-                messages.write(p.stdin.fileno(), data)
+            with self._send_lock:
+                for p in self.workers:
+                    assert p.stdin is not None
+                    messages.write(p.stdin.fileno(), data)
         except OSError as e:  # BrokenPipeError: that rank is gone
             for p in self.workers:  # reap it, so that dead_ranks sees it
                 _wait(p, 1.0)

@@ -7,6 +7,8 @@ its stdout a pipe back (one ``ready`` line once the weights are loaded).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -64,7 +66,7 @@ def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     from baton.common.model.loader import load_model
     from baton.common.model.source import ModelSource
     from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits
-    from baton.common.parallel import messages
+    from baton.common.parallel import kv_ranks, messages
     from baton.common.parallel.group import GroupConfig, RankGroup
 
     _pin(spec.cpus)
@@ -79,14 +81,18 @@ def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     os.write(ready, b"ready\n")
     group.start()
     cache: torch.Tensor | None = None
-    with torch.inference_mode():
+    kv = kv_ranks.RankKV(spec.rank, ready)  # this rank's part of the worker's KV transport
+    cache_for = functools.partial(_cache_for, num_kv_heads=model.config.num_kv_heads, device=spec.device)
+    with torch.inference_mode(), contextlib.closing(kv):
         while True:
             msg = messages.read(commands, spec.device)
             if msg is None or isinstance(msg, messages.Stop):
                 return
             if isinstance(msg, messages.Forward):
-                cache = _cache_for(cache, msg, model.config.num_kv_heads, spec.device)
+                cache = cache_for(cache, msg)
                 model(msg.input_ids, msg.positions, cache, msg.meta)
+            elif isinstance(msg, kv_ranks.Command):
+                cache = kv.handle(msg, cache, cache_for)
             elif msg.greedy:
                 parallel_greedy(model, msg.hidden)
             else:

@@ -242,6 +242,12 @@ class KVReceiver(ABC):
         self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
     ) -> TransferHandle: ...
 
+    async def ready(self, transfer_id: str, timeout_s: float) -> None:
+        """Return once ``expect(transfer_id)`` holds everywhere it must, before the sender is told
+        (TransferError if it cannot): a receiver spread over a tensor-parallel worker's ranks arms
+        theirs by message (``kv_sharded.ShardedReceiver``); one that armed it in ``expect`` at once."""
+        return None
+
     @abstractmethod
     def cancel(self, transfer_id: str) -> None: ...
 

@@ -55,6 +55,7 @@ from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceive
 from baton.common.transfer.wire import (
     HEAD_BYTES,
     KIND_DATA,
+    Header,
     Preamble,
     Run,
     decode_head,
@@ -269,9 +270,8 @@ class UcxReceiver(TableReceiver):
         except Exception as e:
             logger.error("KV message %#x: no header: %r", tag, e)
             return
-        dst = header.dst_block_ids()
-        landing = self._table.claim(header.transfer_id, dst, peer=tag >> 32)
-        targets = [self._target(start, count, landing) for start, count in header.runs]
+        landing = self._claim(header, peer=tag >> 32)
+        targets = self._targets(header, landing)
         started = time.perf_counter()
         error = None
         try:
@@ -283,14 +283,22 @@ class UcxReceiver(TableReceiver):
             error = TransferError("receiver closed")
             raise
         finally:
-            self._settle(header.transfer_id, dst, landing, time.perf_counter() - started, error)
+            self._settle(header, landing, targets, time.perf_counter() - started, error)
+
+    # -- where a message's payloads go (``heads.HeadSliceReceiver`` receives head slices) --------
+    def _claim(self, header: Header, peer: int) -> bool:
+        return self._table.claim(header.transfer_id, header.dst_block_ids(), peer=peer)
+
+    def _targets(self, header: Header, landing: bool) -> list[Any]:
+        return [self._target(start, count, landing) for start, count in header.runs]
 
     def _settle(
-        self, transfer_id: str, dst: list[int], landing: bool, seconds: float, error: TransferError | None
+        self, header: Header, landing: bool, targets: list[Any], seconds: float, error: TransferError | None
     ) -> None:
+        dst = header.dst_block_ids()
         nbytes = len(dst) * self._block_bytes
         if landing:
-            self._table.landed(transfer_id, dst, nbytes, seconds, error)
+            self._table.landed(header.transfer_id, dst, nbytes, seconds, error)
         else:
             self._table.drop(nbytes)
 
@@ -333,7 +341,7 @@ class UcxSender(KVSender):
     def send(
         self, transfer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
     ) -> TransferHandle:
-        runs, header = plan_message(transfer_id, src_block_ids, dst_block_ids, len(self._cache))
+        runs, header = self._plan(transfer_id, src_block_ids, dst_block_ids)
         handle = TransferHandle(transfer_id)
         self._ledger.add(handle)
         with self._lock:
@@ -364,6 +372,14 @@ class UcxSender(KVSender):
             self._ledger.fail_all(TransferError("sender closed"))
             runtime.release()
 
+    # -- what a message carries (``heads.HeadSliceSender`` sends head slices) --------------------
+    def _plan(self, transfer_id: str, src: Sequence[int], dst: Sequence[int]) -> tuple[list[Run], bytes]:
+        return plan_message(transfer_id, src, dst, len(self._cache))
+
+    def _payloads(self, runs: list[Run]) -> list[Any]:
+        """One buffer per run, read by UCX until the message is sent."""
+        return [self._buffers[r.src : r.src + r.count] for r in runs]
+
     # -- on the loop thread --------------------------------------------------------------------
     @staticmethod
     async def _open(worker_address: bytes) -> Any:
@@ -374,11 +390,11 @@ class UcxSender(KVSender):
 
     async def _send(self, tag: int, header: bytes, runs: list[Run], handle: TransferHandle) -> None:
         head, header_tail = encode_head(KIND_DATA, tag, header)
-        payloads = [self._buffers[r.src : r.src + r.count] for r in runs]
-        nbytes = sum(p.nbytes for p in payloads)
         started = time.perf_counter()
         ep = self._endpoint
         try:
+            payloads = self._payloads(runs)
+            nbytes = sum(p.nbytes for p in payloads)
             sends = [ep.send(head, tag=self._control_tag, force_tag=True)]
             sends += [ep.send(header_tail, tag=tag, force_tag=True)] if header_tail else []
             sends += [ep.send(p, tag=tag, force_tag=True) for p in payloads]

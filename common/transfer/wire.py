@@ -48,6 +48,9 @@ class Header:
     transfer_id: str
     runs: tuple[tuple[int, int], ...]
     """(first destination block, count) per payload, in payload order."""
+    heads: tuple[int, int] | None = None
+    """Destination KV heads ``[start, end)`` the payloads carry, packed ``[count, L, 2, heads, bs,
+    row]`` (a re-sharded transfer, ``reshard.py``); None: whole blocks."""
 
     def dst_block_ids(self) -> list[int]:
         return [start + i for start, count in self.runs for i in range(count)]
@@ -101,8 +104,10 @@ def decode_head(data: bytes | bytearray | memoryview) -> tuple[Preamble, bytes]:
     return preamble, bytes(data[PREAMBLE_BYTES : PREAMBLE_BYTES + preamble.header_len])
 
 
-def encode_header(transfer_id: str, runs: Sequence[Run]) -> bytes:
-    body = {"t": transfer_id, "r": [[r.dst, r.count] for r in runs]}
+def encode_header(transfer_id: str, runs: Sequence[Run], heads: tuple[int, int] | None = None) -> bytes:
+    body: dict = {"t": transfer_id, "r": [[r.dst, r.count] for r in runs]}
+    if heads is not None:
+        body["h"] = list(heads)
     data = json.dumps(body, separators=(",", ":")).encode()
     if len(data) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes is too large")
@@ -112,13 +117,18 @@ def encode_header(transfer_id: str, runs: Sequence[Run]) -> bytes:
 def decode_header(data: bytes | bytearray | memoryview) -> Header:
     body = json.loads(bytes(data))
     runs = tuple((int(start), int(count)) for start, count in body["r"])
-    return Header(str(body["t"]), runs)
+    heads = (int(body["h"][0]), int(body["h"][1])) if "h" in body else None
+    return Header(str(body["t"]), runs, heads)
 
 
 def plan_message(
-    transfer_id: str, src: Sequence[int], dst: Sequence[int], num_blocks: int
+    transfer_id: str,
+    src: Sequence[int],
+    dst: Sequence[int],
+    num_blocks: int,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[list[Run], bytes]:
     """Validate one ``send`` and return its runs and encoded header (ValueError if malformed)."""
     src_ids = check_block_ids(src, num_blocks, "source")
     runs = coalesce(src_ids, check_block_ids(dst, 2**62, "destination"))
-    return runs, encode_header(transfer_id, runs)
+    return runs, encode_header(transfer_id, runs, heads)

@@ -83,6 +83,7 @@ class RemotePrefill:
         bytes_per_token: int = 0,
         kv_layout: str = "",
         known_prefill=lambda: frozenset(),
+        rank_destinations=(),
     ):
         """``locations`` (a started ``LocationRecorder``) records where each transfer lands and its
         state, in the background. ``pick_prefill(exclude)`` is an async function returning the
@@ -103,6 +104,8 @@ class RemotePrefill:
         self.bytes_per_token = bytes_per_token
         self.kv_layout = kv_layout
         """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
+        self.rank_destinations = list(rank_destinations)
+        """A tensor-parallel worker's ranks (``baton_pb2.RankDestination``; ``tp_transfer``)."""
         self.results: dict[str, baton_pb2.PrefillResponse] = {}
         """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
         self.tls = config.grpc_tls
@@ -132,17 +135,21 @@ class RemotePrefill:
         rid = request.request_id
         handle = self.receiver.expect(rid, dst, self.timeout_s)
         self._record(rid, dst, "pending")
-        call = self._stub(address).Prefill(
-            self._prefill_request(request, num_cached, dst), timeout=self.timeout_s
-        )
+        call = None
         try:
+            await self.receiver.ready(rid, self.timeout_s)  # every rank expects it before any sends
+            call = self._stub(address).Prefill(
+                self._prefill_request(request, num_cached, dst), timeout=self.timeout_s
+            )
             resp = await self._answer(call, rid)
             await handle.wait_async(self.timeout_s)
         except (grpc.aio.AioRpcError, TransferError, PrefillStalled) as e:
-            call.cancel()  # a hung or stalled worker aborts the prompt too
+            if call is not None:
+                call.cancel()  # a hung or stalled worker aborts the prompt too
             return await self._recover(rid, address, handle, dst, num_cached, len(ids), e)
         except asyncio.CancelledError:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             await self._release(rid, handle)
             self._record(rid, dst, "cancelled")
             raise
@@ -161,6 +168,7 @@ class RemotePrefill:
             num_skip_tokens=num_cached,
             dst_block_ids=dst,
             kv_layout=self.kv_layout,
+            rank_destinations=self.rank_destinations,
         )
 
     async def _choose(self, suggested: str) -> str | None:
@@ -233,6 +241,7 @@ class RemotePrefill:
                     backend=self.backend, extra_json=self.descriptor_json
                 ),
                 kv_layout=self.kv_layout,
+                rank_destinations=self.rank_destinations,
             ),
             timeout=min(self.timeout_s, 10.0),
         )

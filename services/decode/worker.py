@@ -32,13 +32,13 @@ from baton.common.engine.async_engine import (
     RequestFailedError,
 )
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
-from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.index.outage import OutageLog
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
 from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector, stream_handoff
-from baton.common.transfer import TransferConfig, make_receiver
+from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services import tp_transfer
 from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
@@ -231,10 +231,13 @@ class DecodeWorker:
         registry.register(EngineCollector(llm_engine, labels))
         metrics = RequestMetrics(registry, labels)
         if cfg.redis_url and not cfg.colocated:
-            self._receiver = make_receiver(cfg.transfer, llm_engine.kv_cache)
+            # One receiver per tensor-parallel rank, each into its own cache (tp_transfer).
+            link = tp_transfer.rank_link(llm_engine)
+            self._receiver = tp_transfer.make_receiver(cfg.transfer, llm_engine, link)
             descriptor = self._receiver.start()
             self.kv_address = json.dumps(descriptor.to_dict())
             registry.register(TransferCollector(self._receiver.stats, labels))
+            registry.register(tp_transfer.RankBytesCollector(self._receiver, labels))
             from baton.common.index.client import connect
             from baton.common.index.locations import BlockLocations, LocationRecorder
 
@@ -249,9 +252,10 @@ class DecodeWorker:
                 cfg,
                 locations=locations,
                 worker_id=self.worker_id,
-                bytes_per_token=llm_engine.kv_cache[0].nbytes // cfg.engine.block_size,
-                kv_layout=kv_cache_layout(llm_engine.kv_cache),
+                bytes_per_token=tp_transfer.bytes_per_token(llm_engine),
+                kv_layout=tp_transfer.full_layout(llm_engine),
                 known_prefill=lambda: {w.grpc_address for w in self._prefill_workers},
+                rank_destinations=tp_transfer.rank_destinations(self._receiver),
             )
             registry.register(RemotePrefillCollector(self._remote, labels))
         self.metrics_port = self.metrics_port or free_port(cfg.host)
@@ -283,7 +287,9 @@ class DecodeWorker:
             grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
             kv_address=self.kv_address,
             metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
-            settings=worker_settings(llm_engine, colocated=cfg.colocated),
+            settings=worker_settings(
+                llm_engine, colocated=cfg.colocated, **tp_transfer.tp_settings(llm_engine)
+            ),
         )
 
         def load() -> dict[str, float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -36,7 +37,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
 from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, EngineFullError
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
-from baton.common.engine.model_runner import kv_cache_layout
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
@@ -47,10 +47,10 @@ from baton.common.transfer import (
     TransferDescriptor,
     TransferError,
     TransferHandle,
-    make_sender,
 )
 from baton.common.transfer.base import BACKENDS
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services import tp_transfer
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
@@ -193,15 +193,16 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
                     f"expected {want} dst_block_ids for a {len(ids)}-token prompt skipping {skip} tokens, "
                     f"got {len(request.dst_block_ids)}"
                 )
-            descriptor = _descriptor(request.destination)
+            _descriptor(request.destination)
             if rid in w.jobs:
                 raise ValueError(f"request_id {rid!r} is already in use")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._check_layout(request.kv_layout, context)
+        dest, routes = await self._destination(request, context)
 
         try:
-            key, sender = await w.sender_for(descriptor)
+            key, sender = await w.sender_for(dest, routes)
         except Exception as e:  # unreachable or bogus destination
             w.transfer_failures_total += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
@@ -254,15 +255,27 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             bytes_sent=job.bytes_sent,
         )
 
+    async def _destination(self, request, context) -> tuple[tp_transfer.Destination, list]:
+        """The decode worker's ranks and which of this worker's ranks feeds which (re-sharded
+        when the two run at different tensor-parallel degrees)."""
+        w = self.worker
+        try:
+            dest = tp_transfer.destination(request, _descriptor, w.num_kv_heads)
+            return dest, tp_transfer.routes(w.rank_heads, dest, w.num_kv_heads)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # abort raises; for the type checker
+
     async def Connect(self, request, context):
         """Connect the KV transport to a decode worker ahead of its first prompt."""
         try:
-            descriptor = _descriptor(request.destination)
+            _descriptor(request.destination)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._check_layout(request.kv_layout, context)
+        dest, routes = await self._destination(request, context)
         try:
-            await self.worker.sender_for(descriptor)
+            await self.worker.sender_for(dest, routes)
         except Exception as e:  # noqa: BLE001 - unreachable or bogus destination
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
         return baton_pb2.ConnectResponse()
@@ -304,7 +317,11 @@ class PrefillWorker:
         self.metrics_port = config.metrics_port
         self.engine: AsyncEngine | None = None
         self.kv_layout = ""
-        """``model_runner.kv_cache_layout`` of this worker's cache, once started."""
+        """``model_runner.kv_cache_layout`` of this worker's cache (all ranks' heads), once started."""
+        self.rank_heads: list[tuple[int, int]] = []
+        """Each tensor-parallel rank's KV heads (one range for one process)."""
+        self.num_kv_heads = 0
+        self._link: Any = None  # kv_sharded.RankLink to the other ranks' senders (tensor parallel)
         self.jobs: dict[str, _Job] = {}
         self.bytes_sent_total = 0
         self.transfer_failures_total = 0
@@ -340,7 +357,10 @@ class PrefillWorker:
         on_fatal = self._lifecycle.on_fatal(asyncio.get_running_loop())
         self.engine = AsyncEngine(build, on_cache_events=on_events, on_fatal=on_fatal)
         llm_engine = await asyncio.to_thread(self.engine.start)
-        self.kv_layout = kv_cache_layout(llm_engine.kv_cache)
+        self.kv_layout = tp_transfer.full_layout(llm_engine)
+        self.rank_heads = tp_transfer.rank_heads(llm_engine)
+        self.num_kv_heads = tp_transfer.num_kv_heads(llm_engine)
+        self._link = tp_transfer.rank_link(llm_engine)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))
@@ -369,7 +389,7 @@ class PrefillWorker:
                 grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
                 kv_address="",
                 metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
-                settings=worker_settings(llm_engine),
+                settings=worker_settings(llm_engine, **tp_transfer.tp_settings(llm_engine)),
             )
 
             def load() -> dict[str, float]:
@@ -387,10 +407,11 @@ class PrefillWorker:
         log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 
     # -- senders ---------------------------------------------------------------------------------
-    async def sender_for(self, descriptor: TransferDescriptor) -> tuple[str, KVSender]:
-        """The connected sender for ``descriptor`` (one per destination), connecting it if new."""
+    async def sender_for(self, dest: tp_transfer.Destination, routes: list) -> tuple[str, KVSender]:
+        """The connected sender for ``dest`` (one per destination), connecting it if new; ``routes``
+        (``tp_transfer.routes``) say which rank sends which heads where."""
         assert self.engine is not None
-        key = json.dumps(descriptor.to_dict(), sort_keys=True)
+        key = dest.key
         with self._senders_lock:
             sender = self._senders.get(key)
         if sender is not None:
@@ -402,13 +423,9 @@ class PrefillWorker:
             if sender is not None:
                 return key, sender
             t = self.config.transfer
-            config = TransferConfig(backend=descriptor.backend, host=t.host, timeout_s=t.timeout_s)
-            sender = make_sender(config, self.engine.engine.kv_cache)
-            try:
-                await asyncio.to_thread(sender.connect, descriptor)
-            except BaseException:
-                _close_later(sender)
-                raise
+            config = TransferConfig(backend=dest.descriptor.backend, host=t.host, timeout_s=t.timeout_s)
+            connect = functools.partial(tp_transfer.connect_sender, config, self.engine.engine, self._link)
+            sender = await asyncio.to_thread(connect, dest, routes)
             with self._senders_lock:
                 self._senders[key] = sender
             return key, sender

@@ -209,12 +209,15 @@ def test_ranks_exit_when_rank_0_dies(tiny_path):
     assert left == [], "ranks outlived rank 0"
 
 
-def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_it(capsys):
+def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_nccl(capsys):
     from baton.services import cli
 
     a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-tp", "2"])
     assert cli._engine_kwargs(a)["tensor_parallel_size"] == 2
     flags = cli._engine_flags(a)  # what baton up passes on to its workers
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
-    assert cli.main(["prefill", "--tensor-parallel-size", "2"]) == 2
-    assert "colocated only" in capsys.readouterr().err
+    # Re-sharded transfers run over ucx (tests/e2e/test_disaggregated_tp.py); nccl is refused.
+    assert cli.main(["prefill", "--tensor-parallel-size", "2", "--kv-transport", "nccl"]) == 2
+    assert "ucx only" in capsys.readouterr().err
+    assert cli.main(["up", "--decode-tp", "2", "--kv-transport", "nccl"]) == 2
+    assert "ucx only" in capsys.readouterr().err
