@@ -461,7 +461,7 @@ class LLMEngine:
         self.scheduler.admit_running(req, first_token)
         if first_token is None:
             return None
-        if not req.is_finished and self.structured.advance([req]):
+        if not req.is_finished and self._advance_grammars([req]):
             return self._fail_requests([request_id], "the first token does not follow the grammar")[0]
         if not req.is_finished and req.sampling_params.stop:
             self._check_stop_strings(req)
@@ -570,7 +570,7 @@ class LLMEngine:
             return self._fail_step(sched, e)
         progressed = self.scheduler.update_from_output(sched, result.sampled)
         self.num_generated_tokens_total += self.scheduler.num_new_tokens
-        refused = self.structured.advance(progressed)  # and jumps forward where a grammar forces
+        refused = self._advance_grammars(progressed)
         outputs = []
         for req in progressed:
             if not req.is_finished and req.sampling_params.stop:
@@ -593,6 +593,16 @@ class LLMEngine:
         else:
             self._failed_steps_in_a_row = 0
         return outputs
+
+    def _advance_grammars(self, progressed: list[Request]) -> list[str]:
+        """Feed the step's tokens to the requests' grammars (and jump forward where one forces the
+        continuation); stop those whose grammar ended before ``min_tokens`` (``ended_early``).
+        Returns the requests whose tokens a grammar refused."""
+        refused = self.structured.advance(progressed)
+        max_drop = self.config.num_speculative_tokens if self.speculator is not None else 0
+        ended = self.structured.ended_early(progressed, max_drop)
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED, keep_final_block=True)
+        return refused
 
     # -- failures ------------------------------------------------------------------------------
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:

@@ -125,7 +125,8 @@ class ModelRunner:
         self.num_cascade_groups = 0
         self.num_cascade_queries = 0
         self.grammars: StructuredOutputs | None = None
-        """The engine's structured outputs: the rows of requests with a grammar are masked."""
+        """The engine's structured outputs: the rows of requests with a grammar, or short of
+        ``min_tokens``, are masked."""
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -256,7 +257,8 @@ class ModelRunner:
         out = self._sample(inputs, hidden, requests, generators)
         if not inputs.verify:
             return out
-        verified, failed = verify(self.model, hidden, inputs.verify, requests, generators, draft_probs)
+        mask = self.grammars.verify_mask(inputs.verify, requests) if self.grammars is not None else None
+        verified, failed = verify(self.model, hidden, inputs.verify, requests, generators, draft_probs, mask)
         return RunnerOutput({**out.sampled, **verified}, out.failed + failed)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, requests, generators) -> RunnerOutput:
@@ -264,7 +266,7 @@ class ModelRunner:
             return RunnerOutput({})
         rows = hidden[inputs.logits_indices]
         params = [requests[rid].sampling_params for rid in inputs.sample_ids]
-        grammar = self.grammars.mask(inputs.sample_ids) if self.grammars is not None else None
+        grammar = self.grammars.mask(inputs.sample_ids, requests) if self.grammars is not None else None
         if grammar is None and all(p.greedy and p.logprobs is None for p in params):
             # No fp32 logits here: the hidden rows are checked instead ([S, hidden], a few us).
             # Finite hidden states and finite weights give finite logits.

@@ -10,18 +10,27 @@ min(1, p_i(d) / q_i(d)); the first rejected one is replaced by a draw from norm(
 the tokens then follow the target's distribution exactly. p is the distribution plain sampling
 draws from (temperature, top-k, top-p: ``sampler.sampling_probs``), and every uniform comes from
 the request's generator, so a seeded request repeats itself.
+
+A grammar (structured outputs) and ``min_tokens`` constrain the rows as they constrain sampled
+ones (``StructuredOutputs.verify_mask``): p and the argmaxes are those of the masked logits, so a
+proposal the mask rules out is rejected and the bonus token is drawn under the mask; the
+log-probabilities stay the model's own, as the sampler's do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.common.engine.sampler import chosen_logprobs, finite_rows, sampling_probs
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken
+
+if TYPE_CHECKING:
+    from baton.common.engine.structured import GrammarMask
 
 
 @dataclass(frozen=True)
@@ -94,9 +103,11 @@ def verify(
     requests: Mapping,
     generators: Mapping[str, torch.Generator],
     draft_probs: Mapping[str, torch.Tensor] | None = None,
+    mask: GrammarMask | None = None,
 ) -> tuple[dict[str, tuple[SampledToken, ...]], tuple[str, ...]]:
     """Each verified request's tokens (accepted proposals, then the bonus), and the requests whose
-    rows were not finite (no tokens: the engine fails them)."""
+    rows were not finite (no tokens: the engine fails them). ``mask``: the rows' constraints, in
+    the order the groups' rows are gathered here."""
     index = torch.tensor([i for g in groups for i in g.rows], dtype=torch.long, device=hidden.device)
     rows = hidden[index]
     params = [requests[g.request_id].sampling_params for g in groups]
@@ -104,7 +115,7 @@ def verify(
     for g in groups:
         spans.append(slice(start, start + len(g.rows)))
         start += len(g.rows)
-    if all(p.greedy and p.logprobs is None for p in params):
+    if mask is None and all(p.greedy and p.logprobs is None for p in params):
         # Argmaxes only, without fp32 logits: the runner's own greedy fast path.
         targets = model.greedy_tokens(rows).tolist()
         ok = finite_rows(rows).tolist()
@@ -115,14 +126,19 @@ def verify(
         }
         return out, tuple(g.request_id for g in groups if g.request_id not in out)
     logits = model.compute_logits(rows).float().cpu()  # [R, V]
-    ok = finite_rows(logits).tolist()
-    probs = _target_probs(logits, spans, params)
+    finite = finite_rows(logits)
+    ok = finite.tolist()
+    # A bad row fails only its group: zeroed, it cannot spread NaNs through the batched softmax.
+    masked = torch.where(finite.view(-1, 1), logits, 0.0)
+    if mask is not None:
+        masked = mask.apply(masked)
+    probs = _target_probs(masked, spans, params)
     out = {}
     for i, (g, span, p) in enumerate(zip(groups, spans, params)):
         if not all(ok[span]):
             continue
         if p.greedy:
-            tokens = accept_greedy(logits[span].argmax(-1).tolist(), g.draft)
+            tokens = accept_greedy(masked[span].argmax(-1).tolist(), g.draft)
         else:
             q = (draft_probs or {}).get(g.request_id)
             tokens = rejection_sample(probs[i], g.draft, q, generators.get(g.request_id))
@@ -137,8 +153,7 @@ def _target_probs(logits: torch.Tensor, spans: list[slice], params: list[Samplin
         return {}
     rows = torch.cat([logits[spans[i]] for i in sampled])
     row_params = [params[i] for i in sampled for _ in range(spans[i].stop - spans[i].start)]
-    safe = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)  # a bad row fails only its group
-    probs = sampling_probs(safe, row_params)
+    probs = sampling_probs(rows, row_params)
     out, start = {}, 0
     for i in sampled:
         n = spans[i].stop - spans[i].start

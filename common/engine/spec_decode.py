@@ -69,13 +69,6 @@ def proposal_room(num_output: int, max_tokens: int | None, num_tokens: int, max_
     return max(0, left - 1)
 
 
-def allows_speculation(req) -> bool:
-    """Structured requests are not speculated: proposals are not checked against a grammar (its
-    bitmask applies to sampled rows), and jump-forward already appends a grammar's forced tokens
-    several at a time. The hook to change should verification learn grammars."""
-    return req.sampling_params.structured_outputs is None
-
-
 class LinearCost:
     """Seconds a forward pass of n tokens takes, fitted as ``a + b * n`` (least squares) over the
     last ``window`` steps measured: the fixed cost is reading the weights, the slope the compute

@@ -24,10 +24,10 @@ from baton.common.engine.spec_decode import (
     SpecController,
     SpecStats,
     SpeculativeConfig,
-    allows_speculation,
     ngram_propose,
     proposal_room,
 )
+from baton.common.engine.structured import StructuredOutputs
 
 Proposal = tuple[list[int], torch.Tensor | None]
 """A request's proposed tokens, and the draft's distributions at them ([k, V]; None: greedy)."""
@@ -128,12 +128,22 @@ class DraftProposer:
 
 
 class Speculator:
-    """Proposes after each step; the engine verifies the proposals in the next one."""
+    """Proposes after each step; the engine verifies the proposals in the next one. A structured
+    request's proposals stop where its grammar refuses one (``StructuredOutputs.trim_proposal``);
+    its verified rows are masked (``verify_mask``); jump-forward and speculation take turns: a
+    request with forced tokens to compute is not decoding, so it gets no proposals that step."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: DraftProposer | None = None):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        drafter: DraftProposer | None = None,
+        grammars: StructuredOutputs | None = None,
+    ):
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = drafter
+        self.grammars = grammars
         self.stats = SpecStats()
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -179,8 +189,6 @@ class Speculator:
             self._propose_draft(candidates, rooms, other, len(decodes), generators)
 
     def _room(self, req: Request) -> int:
-        if not allows_speculation(req):
-            return 0
         p = req.sampling_params
         room = proposal_room(req.num_output_tokens, p.max_tokens, req.num_tokens, self.max_model_len)
         return min(self.config.num_speculative_tokens, room)
@@ -190,7 +198,9 @@ class Speculator:
     ) -> None:
         cfg = self.config
         found = {
-            r.request_id: ngram_propose(r.all_token_ids, cfg.ngram_min, cfg.ngram_max, rooms[r.request_id])
+            r.request_id: self._trim(
+                r, ngram_propose(r.all_token_ids, cfg.ngram_min, cfg.ngram_max, rooms[r.request_id])
+            )
             for r in reqs
         }
         k = self.controller.choose_k(other, num_decodes, sum(1 for p in found.values() if p))
@@ -206,9 +216,17 @@ class Speculator:
         proposals = self.drafter.propose(reqs, ks, generators, cost=self.controller.draft)
         for r in reqs:
             toks, dists = proposals.get(r.request_id, ([], None))
-            r.spec_token_ids = toks
+            r.spec_token_ids = self._trim(r, toks)
             if dists is not None:
-                self.draft_probs[r.request_id] = dists
+                self.draft_probs[r.request_id] = dists[: len(r.spec_token_ids)]
+
+    def _trim(self, req: Request, tokens: list[int]) -> list[int]:
+        """A structured request's proposals up to where its grammar refuses one, unless a draft
+        model sampled them (``StructuredOutputs.trim_proposal``: verification rejects those)."""
+        p = req.sampling_params
+        if self.grammars is None or p.structured_outputs is None or (self.drafter and not p.greedy):
+            return tokens
+        return self.grammars.trim_proposal(req, tokens)
 
 
 def make_speculator(config: SpeculativeConfig | None, engine, draft_model=None) -> Speculator | None:
@@ -228,4 +246,4 @@ def make_speculator(config: SpeculativeConfig | None, engine, draft_model=None) 
             )
         cfg = engine.config
         drafter = DraftProposer(draft_model, engine.pool.num_blocks, cfg.block_size, engine.dtype, cfg.device)
-    return Speculator(config, engine.max_model_len, drafter)
+    return Speculator(config, engine.max_model_len, drafter, engine.structured)

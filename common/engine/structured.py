@@ -21,6 +21,18 @@ string cut at a token boundary the model would not choose drifts it out of distr
 
 Forced tokens never take a request's last token slot (``max_tokens``, the context): the request
 always ends on a sampled token, so the stop checks of the scheduler see every ending.
+
+Speculation: a verified request's rows are masked too, row j by the grammar's bitmask after the
+output and the first j proposals (``verify_mask``: the matcher accepts them, fills each row, and
+rolls back), so a proposal the grammar forbids is rejected and the bonus token is drawn under the
+mask, as plain sampling would draw it. Proposals are cut where the grammar refuses one and before
+any stop token (``trim_proposal``): a verified row never follows the grammar's end.
+
+``min_tokens``: every request's EOS and stop token ids are masked while it has fewer output tokens
+(vLLM's ``MinTokensLogitsProcessor``), on top of its grammar. Where the grammar allows only an
+ending (a short schema completed early), the ending stays allowed and the request stops there,
+short of ``min_tokens``: the grammar wins, as in vLLM (PR #54218) since that conflict emptied the
+mask and failed the request (HTTP 500, vLLM issue #53665).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,26 +107,52 @@ def _is_utf8(text: str) -> bool:
 
 @dataclass(frozen=True)
 class GrammarMask:
-    """The token bitmask of one step's sampled rows that have a grammar."""
+    """What one step's rows may sample: their grammars' token bitmask and the stop tokens that
+    ``min_tokens`` holds back. Rows are those of the logits it is applied to."""
 
-    bitmask: torch.Tensor  # [S, ceil(V / 32)] int32, one row per sampled row
+    bitmask: torch.Tensor | None  # [S, ceil(V / 32)] int32, one row per logits row; None: no grammar
     rows: tuple[int, ...]
-    """The sampled rows it applies to (others are left alone)."""
+    """The rows the bitmask applies to (others are left alone)."""
     vocab_size: int
     dead_ends: tuple[int, ...] = ()
     """Rows whose grammar no token of the vocabulary can continue: they may only stop."""
     stop_token_id: int = 0
+    banned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(row, token ids): stop tokens masked until the row's request has ``min_tokens`` tokens."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [S, V] fp32 with every token the grammar forbids at -inf, in place."""
-        import xgrammar as xgr
+        if self.bitmask is not None and self.rows:
+            import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(
-            logits, self.bitmask, vocab_size=self.vocab_size, indices=list(self.rows)
-        )
+            xgr.apply_token_bitmask_inplace(
+                logits, self.bitmask, vocab_size=self.vocab_size, indices=list(self.rows)
+            )
         for i in self.dead_ends:
             logits[i, self.stop_token_id] = 0.0
+        for i, ids in self.banned:
+            _ban_unless_only(logits[i], list(ids))
         return logits
+
+
+def _ban_unless_only(row: torch.Tensor, ids: list[int]) -> None:
+    """Mask ``ids`` in ``row`` [V], unless nothing else is allowed (see the module doc)."""
+    saved = row[ids].clone()
+    row[ids] = float("-inf")
+    if not bool(torch.isfinite(row).any()):
+        row[ids] = saved
+
+
+def min_tokens_ban(req: Request, ahead: int = 0) -> tuple[int, ...]:
+    """The token ids ``req`` may not sample ``ahead`` tokens after its output so far: its stop
+    tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) while it is short of ``min_tokens``."""
+    params = req.sampling_params
+    if req.num_output_tokens + ahead >= params.min_tokens:
+        return ()
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= req.eos_token_ids
+    return tuple(sorted(ids))
 
 
 @dataclass
@@ -124,6 +162,8 @@ class _State:
     """Output tokens the matcher has accepted."""
     dead: bool = False
     """No token could continue the grammar (see ``mask``): the request was made to stop."""
+    ended_at: int | None = None
+    """The output index of the stop token the grammar ended on."""
 
 
 @dataclass
@@ -243,32 +283,128 @@ class StructuredOutputs:
     def has(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def mask(self, sample_ids: Sequence[str]) -> GrammarMask | None:
-        """The bitmask of the step's sampled rows that have a live grammar; None when none has.
-        A matcher that has terminated (its stop token accepted, ``ignore_eos`` going on) masks
-        nothing. A grammar that no token can continue (a character the vocabulary cannot spell:
-        byte-level vocabularies lack some bytes) stops its request there, instead of sampling
-        from nothing; that output does not match its grammar, as none could."""
-        rows = [
-            i
-            for i, rid in enumerate(sample_ids)
-            if (s := self._states.get(rid)) is not None and not s.dead and not s.matcher.is_terminated()
-        ]
+    def _live(self, request_id: str) -> _State | None:
+        s = self._states.get(request_id)
+        return s if s is not None and not s.dead and not s.matcher.is_terminated() else None
+
+    def mask(
+        self, sample_ids: Sequence[str], requests: Mapping[str, Request] | None = None
+    ) -> GrammarMask | None:
+        """The mask of the step's sampled rows: the bitmask of those with a live grammar, and the
+        stop tokens of those short of ``min_tokens`` (with ``requests``); None when no row has
+        either. A matcher that has terminated (its stop token accepted, ``ignore_eos`` going on)
+        masks nothing. A grammar that no token can continue (a character the vocabulary cannot
+        spell: byte-level vocabularies lack some bytes) stops its request there, instead of
+        sampling from nothing; that output does not match its grammar, as none could."""
+        rows = [i for i, rid in enumerate(sample_ids) if self._live(rid) is not None]
+        banned = _bans((requests[rid], i, 0) for i, rid in enumerate(sample_ids)) if requests else ()
         if not rows:
-            return None
+            return GrammarMask(None, (), self.vocab_size, banned=banned) if banned else None
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(sample_ids), self.vocab_size)
         dead = []
         for i in rows:
             state = self._states[sample_ids[i]]
-            state.matcher.fill_next_token_bitmask(bitmask, i)
-            if not bool(bitmask[i].any()):
+            if not self._fill(state, bitmask, i):
                 log.warning("request %s: no token can continue its grammar; it stops", sample_ids[i])
                 state.dead = True
                 dead.append(i)
-        stop = self.stop_token_ids[0] if self.stop_token_ids else 0
-        return GrammarMask(bitmask, tuple(rows), self.vocab_size, tuple(dead), stop)
+        return GrammarMask(bitmask, tuple(rows), self.vocab_size, tuple(dead), self._stop_token, banned)
+
+    @property
+    def _stop_token(self) -> int:
+        return self.stop_token_ids[0] if self.stop_token_ids else 0
+
+    @staticmethod
+    def _fill(state: _State, bitmask: torch.Tensor, row: int) -> bool:
+        """Fill ``bitmask[row]`` from the matcher; False when it allows no token (a dead end)."""
+        state.matcher.fill_next_token_bitmask(bitmask, row)
+        return bool(bitmask[row].any())
+
+    def verify_mask(self, groups: Sequence, requests: Mapping[str, Request]) -> GrammarMask | None:
+        """The mask of a step's verified rows, laid out as ``rejection.verify`` gathers them (each
+        group's 1 + k rows in turn): row j of a request with a grammar is its bitmask after the
+        output and the first j proposals; a proposal the grammar refuses ends the masked rows
+        (the rows after it are never kept). Stop tokens are held back per row for ``min_tokens``.
+        None when no row needs a mask."""
+        import xgrammar as xgr
+
+        total = sum(len(g.draft) + 1 for g in groups)
+        bitmask: torch.Tensor | None = None
+        rows: list[int] = []
+        dead: list[int] = []
+        bans: list[tuple[Request, int, int]] = []
+        base = 0
+        for g in groups:
+            req = requests[g.request_id]
+            bans += [(req, base + j, j) for j in range(len(g.draft) + 1)]
+            state = self._live(g.request_id)
+            if state is not None:
+                if bitmask is None:
+                    bitmask = xgr.allocate_token_bitmask(total, self.vocab_size)
+                self._fill_draft(state, g.draft, bitmask, base, rows, dead)
+            base += len(g.draft) + 1
+        banned = _bans(bans)
+        if bitmask is None and not banned:
+            return None
+        return GrammarMask(bitmask, tuple(rows), self.vocab_size, tuple(dead), self._stop_token, banned)
+
+    def _fill_draft(self, state: _State, draft, bitmask, base: int, rows: list, dead: list) -> None:
+        """Fill rows ``base ..`` for the matcher after each prefix of ``draft``, then roll it back."""
+        accepted = 0
+        for j in range(len(draft) + 1):
+            rows.append(base + j)
+            if not self._fill(state, bitmask, base + j):
+                dead.append(base + j)  # only a stop: ``_feed`` takes it as the dead end it is
+                break
+            if j == len(draft) or not state.matcher.accept_token(draft[j]):
+                break
+            accepted += 1
+            if state.matcher.is_terminated():  # a stop token: the rows after it are free text
+                break
+        if accepted:
+            state.matcher.rollback(accepted)
+
+    def trim_proposal(self, req: Request, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` (proposed after ``req``'s output) up to the first that its grammar refuses or
+        that would stop it (see the module doc); all of them for a request without a live one.
+        Only for proposals that do not depend on a draw (n-grams, a greedy draft): cutting a
+        sampled draft where it leaves the grammar would bias the rejection sampling."""
+        state = self._live(req.request_id)
+        if state is None or not tokens:
+            return list(tokens)
+        stops = set(req.sampling_params.stop_token_ids) | req.eos_token_ids | set(self.stop_token_ids)
+        kept = 0
+        for t in tokens:
+            if t in stops or not state.matcher.accept_token(t):
+                break
+            kept += 1
+        if kept:
+            state.matcher.rollback(kept)
+        return list(tokens[:kept])
+
+    def ended_early(self, requests: Sequence[Request], max_drop: int) -> list[str]:
+        """Requests still running whose grammar has ended on a stop token before ``min_tokens``
+        (the only token it allowed, see the module doc): the engine stops them there. Tokens a
+        multi-token step appended after that stop (at most ``max_drop``) are dropped."""
+        out = []
+        for req in requests:
+            state = self._states.get(req.request_id)
+            if state is None or req.is_finished or state.ended_at is None:
+                continue
+            if state.ended_at >= req.num_output_tokens:  # dropped since (a stop string)
+                continue
+            params, last = req.sampling_params, req.output_token_ids[state.ended_at]
+            if params.ignore_eos or last not in req.eos_token_ids:
+                continue
+            past = req.num_output_tokens - 1 - state.ended_at
+            if past > max_drop:
+                continue  # not this step's: free text after the grammar (ignore_eos), as it was
+            req.drop_output(past)
+            req.stop_reason = None
+            out.append(req.request_id)
+        return out
 
     def advance(self, requests: Sequence[Request]) -> list[str]:
         """After a step: feed each structured request's new output tokens to its matcher, then
@@ -343,8 +479,26 @@ class StructuredOutputs:
             if state.dead or state.matcher.is_terminated():
                 state.fed = req.num_output_tokens  # ignore_eos: free text after the grammar ended
                 return True
-            if not state.matcher.accept_token(t):
+            if not state.matcher.accept_token(t) and not self._dead_end_stop(state, t):
                 log.warning("request %s: token %d does not follow its grammar", req.request_id, t)
                 return False
+            if state.matcher.is_terminated():
+                state.ended_at = state.fed
             state.fed += 1
         return True
+
+    def _dead_end_stop(self, state: _State, token: int) -> bool:
+        """Whether ``token`` is the stop a dead end forced (a verified row found it, ``mask`` did
+        not see it); the grammar is then dead (see ``mask``)."""
+        if token != self._stop_token:
+            return False
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        state.dead = not self._fill(state, bitmask, 0)
+        return state.dead
+
+
+def _bans(rows) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """((row, stop tokens held back), ...) of ``(request, row, tokens ahead)`` triples."""
+    return tuple((i, ids) for req, i, ahead in rows if (ids := min_tokens_ban(req, ahead)))

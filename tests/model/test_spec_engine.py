@@ -228,22 +228,117 @@ def test_spec_decode_metrics_match_the_counters(target, tok):
     assert engine.num_generated_tokens_total == sum(len(o.token_ids) for o in outs.values())
 
 
-def test_structured_requests_are_not_speculated(target, tok):
+# This vocabulary is SmolLM2's first 64 tokens: the digits are among them (ids 32-41).
+ALTERNATING = "([0-4][5-9]){8}"
+"""A low digit, then a high one: an n-gram copying a run 0123456789 breaks it every other token."""
+
+
+def _digit_prompts() -> list[list[int]]:
+    return [[32 + (i % 10) for i in range(24)], [33, 34, 35] * 8, [32, 37, 33, 38] * 6]
+
+
+def _structured(regex: str, **kw) -> SamplingParams:
     from baton.common.engine.sampling_params import StructuredOutputsParams
 
-    engine = _engine(target, tok, **NGRAM)
-    # This vocabulary is SmolLM2's first 64 tokens: the digits are among them.
-    digits = StructuredOutputsParams(regex="[0-9]{16}")
-    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=digits)
-    prompts = [[32 + (i % 10) for i in range(24)], [33, 34, 35] * 8]  # digit runs: n-grams would propose
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    texts = []
-    while engine.has_unfinished_requests():
-        texts += [o.outputs[0].text for o in engine.step()]
-        assert all(not r.spec_token_ids for r in engine.scheduler.running)
-    assert engine.speculator.stats.num_drafts == 0
-    assert len(texts) == 2 and all(len(t) == 16 and t.isdigit() for t in texts), texts
+    kw.setdefault("temperature", 0)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex), **kw)
+
+
+def test_structured_requests_are_speculated_under_their_grammar(target, tok):
+    """Proposals are verified against the grammar: greedy output is the one without speculation,
+    and every output (greedy or sampled) matches; n-gram proposals are cut where the grammar
+    refuses them, and the target as its own draft, cut the same way, has all of them accepted."""
+    import re
+
+    prompts = _digit_prompts()
+    greedy = _structured(ALTERNATING, max_tokens=20)
+    plain = _run(_engine(target, tok), prompts, greedy)
+    ngram_engine = _engine(target, tok, **NGRAM)
+    ngram = _run(ngram_engine, prompts, greedy)
+    self_cfg = dict(
+        speculative="draft", draft_model="self", num_speculative_tokens=3, adaptive_speculation=False
+    )
+    assert {k: v.token_ids for k, v in ngram.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert all(re.fullmatch(ALTERNATING, o.text) for o in plain.values()), [o.text for o in plain.values()]
+    assert ngram_engine.speculator.stats.num_drafts > 0
+    # A loose grammar (most of this vocabulary), where the draft's unmasked choices mostly fit it.
+    loose = _structured("[^0-4]{12}", max_tokens=16)
+    self_engine = _engine(target, tok, draft=target, **self_cfg)
+    self_draft = _run(self_engine, prompts, loose)
+    want = _run(_engine(target, tok), prompts, loose)
+    assert {k: v.token_ids for k, v in self_draft.items()} == {k: v.token_ids for k, v in want.items()}
+    assert all(re.fullmatch("[^0-4]{12}", o.text) for o in want.values()), [o.text for o in want.values()]
+    stats = self_engine.speculator.stats
+    assert stats.num_draft_tokens > 10 and stats.num_accepted_tokens == stats.num_draft_tokens
+    sampled = [_structured(ALTERNATING, temperature=1.0, seed=i, max_tokens=20) for i in range(len(prompts))]
+    for outs in (_run(ngram_engine, prompts, sampled), _run(self_engine, prompts, sampled)):
+        assert all(re.fullmatch(ALTERNATING, o.text) for o in outs.values()), [o.text for o in outs.values()]
+
+
+def test_verified_rows_are_masked_by_the_grammar_after_each_proposal(target, tok):
+    """Row j's mask is the grammar's after the first j proposals; a refused proposal ends the
+    masked rows, and the matcher is left where it was."""
+    from baton.common.engine.rejection import VerifyGroup
+    from baton.common.engine.request import Request
+
+    engine = _engine(target, tok)
+    req = Request("r", [5, 6, 7], _structured(ALTERNATING, max_tokens=20), frozenset({1}))
+    engine.structured.add(req)
+    low, high = 32, 38  # "0", "6"
+    mask = engine.structured.verify_mask([VerifyGroup("r", 0, (low, high, low, low))], {"r": req})
+    assert mask.rows == (0, 1, 2, 3)  # row 3 refuses the second low digit: the rows after are free
+    logits = mask.apply(torch.zeros(5, VOCAB))
+    ok = [set(torch.nonzero(torch.isfinite(row)).view(-1).tolist()) for row in logits]
+    assert ok[0] == ok[2] == set(range(32, 37)) and ok[1] == ok[3] == set(range(37, 42))
+    assert ok[4] == set(range(VOCAB))
+    assert engine.structured.trim_proposal(req, [low, high, low, low, high]) == [low, high, low]
+    # Nothing was fed for good: the request's own next row is still a low digit's.
+    again = engine.structured.mask(["r"], {"r": req}).apply(torch.zeros(1, VOCAB))
+    assert set(torch.nonzero(torch.isfinite(again[0])).view(-1).tolist()) == set(range(32, 37))
+
+
+def _common_early_token(model, tok, prompts) -> int:
+    """The token the model most often puts among its first five outputs (to be made EOS)."""
+    from collections import Counter
+
+    outs = _run(_engine(model, tok), prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    return Counter(t for o in outs.values() for t in o.token_ids).most_common(1)[0][0]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_with_and_without_speculation(target, tok):
+    prompts = _workload(8)
+    eos = _common_early_token(target, tok, prompts)
+    stop_id = next(t for t in range(2, VOCAB) if t != eos)
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=(stop_id,))
+    free = _run(
+        _engine(target, tok, eos=frozenset({eos})), prompts, SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 6 for o in free.values())  # EOS came early
+    plain = _run(_engine(target, tok, eos=frozenset({eos})), prompts, params)
+    spec_engine = _engine(target, tok, eos=frozenset({eos}), **NGRAM)
+    spec = _run(spec_engine, prompts, params)
+    assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert spec_engine.speculator.stats.num_drafts > 0
+    for o in plain.values():
+        assert eos not in o.token_ids[:6] and stop_id not in o.token_ids[:6], o.token_ids
+        assert len(o.token_ids) > 6 and o.finish_reason in ("stop", "length")
+        if o.finish_reason == "stop":
+            assert o.token_ids[-1] in (eos, stop_id)
+
+
+def test_a_grammar_that_can_only_end_stops_short_of_min_tokens(target, tok):
+    """vLLM's rule (its PR #54218): where the grammar allows only EOS, min_tokens gives way and the
+    request stops, its output matching the grammar, instead of sampling from an empty mask."""
+    prompts = _digit_prompts()
+    for params in (
+        _structured("[0-9]{3}", max_tokens=20, min_tokens=8),
+        _structured("[0-9]{3}", max_tokens=20, min_tokens=8, temperature=1.0, seed=1),
+    ):
+        outs = [_run(_engine(target, tok, **kw), prompts, params) for kw in ({}, NGRAM)]
+        assert {k: v.token_ids for k, v in outs[0].items()} == {k: v.token_ids for k, v in outs[1].items()}
+        for o in outs[0].values():
+            assert o.finish_reason == "stop" and o.text.isdigit() and len(o.text) == 3, o
+            assert o.token_ids[-1] == 1 and len(o.token_ids) == 4  # three digits and EOS, under 8
 
 
 def test_smollm2_greedy_output_is_identical_with_ngram_speculation(llm_fp32):
