@@ -170,6 +170,64 @@ def paged_decode_attention_quant_ref(
     )
 
 
+WEIGHT_CHUNK = 16
+"""Rows of a block whose softmax weights share one 8-bit scale in the int8 integer kernel."""
+
+
+def quantize_query_ref(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q * scale`` [..., D] as symmetric int8 codes (fp32 values) and a per-head scale [..., 1]:
+    how the int8 integer kernel quantizes each query head once per step."""
+    qf = q.float() * scale
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return (qf * inv).round().clamp_(-127, 127), amax / 127.0
+
+
+def paged_decode_attention_int8_ref(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, KV, bs, D + 2], int8
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What the CPU int8 kernel on integer dot products computes (``kv_quant.cpp``), in fp32: q
+    quantized per head (``quantize_query_ref``), q.k as exact integer sums of codes times the two
+    scales; each row's softmax weight times its V scale quantized to 8 unsigned bits against the
+    largest of its chunk (``WEIGHT_CHUNK`` rows of a block), the weighted V codes summed exactly per
+    chunk; the normalizer the fp32 sum of the unquantized weights."""
+    from baton.kernels.reference import gather_kv
+
+    batch, num_heads, head_dim = q.shape
+    kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b in range(batch):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        k_codes, k_scales = split_rows(gather_kv(k_cache, block_tables[b], n))  # [KV, n, D], [KV, n]
+        v_codes, v_scales = split_rows(gather_kv(v_cache, block_tables[b], n))
+        qc, qs = quantize_query_ref(q[b], scale)  # [H, D], [H, 1]
+        kc = k_codes.float().repeat_interleave(group, 0)  # [H, n, D]
+        dots = torch.einsum("hd,htd->ht", qc, kc)  # exact: integers below 2^24
+        s = dots * (k_scales.float().repeat_interleave(group, 0) * qs)  # [H, n]
+        p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        w = p * v_scales.float().repeat_interleave(group, 0)
+        t = torch.arange(n)
+        chunk = (t // bs) * (-(-bs // WEIGHT_CHUNK)) + (t % bs) // WEIGHT_CHUNK  # [n]
+        wmax = torch.zeros(num_heads, int(chunk[-1]) + 1).scatter_reduce_(
+            1, chunk.expand(num_heads, -1), w, "amax"
+        )
+        wmax_t = wmax[:, chunk]
+        codes = torch.where(wmax_t > 0, (w * (255.0 / wmax_t.clamp_min(1e-38))).round(), 0.0)
+        vc = v_codes.float().repeat_interleave(group, 0)  # [H, n, D]
+        sums = torch.zeros(num_heads, wmax.shape[1], head_dim).index_add_(1, chunk, codes.unsqueeze(-1) * vc)
+        num = (sums * (wmax / 255.0).unsqueeze(-1)).sum(dim=1)  # [H, D]
+        out[b] = num / p.sum(dim=-1, keepdim=True)
+    return out.to(q.dtype)
+
+
 # --- dispatch -----------------------------------------------------------------------------------
 
 
@@ -177,6 +235,13 @@ def _ops():
     from baton.kernels import cpu_ops
 
     return cpu_ops.load()
+
+
+def uses_integer_kernel(cache: torch.Tensor, group: int, head_dim: int) -> bool:
+    """Whether CPU decode attention over this cache runs on integer dot products (an int8 cache,
+    AVX512-VNNI compiled in, a supported query group and head size), whose result is
+    ``paged_decode_attention_int8_ref``'s; otherwise it is ``paged_decode_attention_quant_ref``'s."""
+    return cache.dtype == torch.int8 and bool(_ops().kv_int8_integer_kernel(group, head_dim))
 
 
 def rope_and_cache_quant(

@@ -43,6 +43,7 @@ void paged_decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor k_cac
                                   at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, double scale);
 void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids);
+bool kv_int8_integer_kernel(int64_t group, int64_t head_dim);
 
 // int8_quant.cpp
 void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
@@ -64,6 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_blocks", &dequantize_blocks,
         "Blocks of a quantized layer cache, dequantized into a dense model-dtype cache",
         py::arg("out"), py::arg("cache"), py::arg("block_ids"), py::call_guard<py::gil_scoped_release>());
+  m.def("kv_int8_integer_kernel", &kv_int8_integer_kernel,
+        "Whether int8 KV decode attention runs on integer dot products for this group and head_dim",
+        py::arg("group"), py::arg("head_dim"));
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-major KV cache, written into out",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),

@@ -4,7 +4,10 @@
 //
 //   rope_and_cache_quant          fused.rope_and_cache, then k and v quantized into their slots
 //   paged_decode_attention_quant  decode attention reading the codes in place, dequantized in
-//                                 registers (matches kv_quant.paged_decode_attention_quant_ref)
+//                                 registers (matches kv_quant.paged_decode_attention_quant_ref);
+//                                 an int8 cache on AVX512-VNNI multiplies the codes as integers
+//                                 (kv_quant.paged_decode_attention_int8_ref, see below)
+//   kv_int8_integer_kernel        whether that integer path serves a (group, head_dim)
 //   dequantize_blocks             blocks of a layer's K or V cache into a dense model-dtype cache
 //                                 (the quantized prefill path: the paged prefill kernel reads it)
 //
@@ -427,6 +430,242 @@ void attend_pair_avx512(const Params& p, int64_t b, int64_t kh) {
 
 using PairFn = void (*)(const Params&, int64_t, int64_t);
 
+#ifdef __AVX512VNNI__
+// ---------------------------------------------------------------------------------------------
+// int8 cache on the integer dot-product instructions (AVX512-VNNI vpdpbusd: 4 byte products
+// summed into each int32 lane). The fp32 path above decodes every code to fp32 and spends as many
+// instructions per row as the bf16 kernel does; this one multiplies the codes as they are:
+//
+// - q is quantized once per head and step: symmetric int8 with a per-head scale (the rounding of
+//   a K row's own codes). q.k is then an exact integer sum of code products: 16 K rows are
+//   transposed as 16 x 16 dwords so that vector c holds dword c (codes 4c..4c+3) of every row, and
+//   one vpdpbusd per dword column and head adds a broadcast dword of q's codes into all 16 rows'
+//   sums. vpdpbusd multiplies unsigned by signed bytes: the K codes are offset by 128 (xor 0x80),
+//   and 128 * sum(q codes), the same for every row, is subtracted.
+// - The softmax weights of 16 rows, each times its V row's scale, are quantized to 8 unsigned bits
+//   against their largest (a scale per head and 16 rows); 4 V rows are interleaved bytewise so that
+//   each int32 lane holds one value of 4 rows, and one vpdpbusd per head and 16 values adds the 4
+//   rows' weighted values. The int32 sums go back to fp32 once per 16 rows. The normalizer (the
+//   sum of the weights) stays fp32, so the only rounding added is each weight's half step of 1/255
+//   of the largest weight among its 16 rows.
+//
+// kv_quant.paged_decode_attention_int8_ref computes exactly this in torch.
+#define BATON_KVQ_VNNI 1
+
+// r[t] (row t, 16 dwords) -> r[c] (dword c of rows 0..15): a 16 x 16 transpose of dwords.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4a + j], 128-bit lane L: dword 4L + j of rows 4a .. 4a + 3.
+  for (int a = 0; a < 4; ++a) {
+    u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i p0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i p1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i p2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i p3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(p0, p2, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(p1, p3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
+  }
+}
+
+// 4 rows of 64 codes -> x[c], whose dword lane 4L + i holds value 16L + 4c + i of rows 0..3 (a
+// byte each, row order): the operand layout of vpdpbusd for a weighted sum of the 4 rows.
+inline void interleave4(__m512i r0, __m512i r1, __m512i r2, __m512i r3, __m512i* x) {
+  const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+  x[0] = _mm512_unpacklo_epi16(a, c);
+  x[1] = _mm512_unpackhi_epi16(a, c);
+  x[2] = _mm512_unpacklo_epi16(b, d);
+  x[3] = _mm512_unpackhi_epi16(b, d);
+}
+
+// Rows t < n of a chunk as 64-byte vectors (rows past n read as zero, never loaded).
+template <bool FULL>
+inline __m512i load_row(const uint8_t* p, int t, int n) {
+  if (FULL || t < n) return _mm512_loadu_si512(p);
+  return _mm512_setzero_si512();
+}
+
+// The bf16 scales of 16 rows (at byte D of each) as fp32: the dword that ends with each scale is
+// gathered and its low half (the row's last two codes) cleared.
+inline __m512 gather_scales(const uint8_t* rows, __m512i idx, __mmask16 valid) {
+  const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, rows, 1);
+  return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+template <typename T, int G, int D>
+void attend_pair_vnni(const Params& p, int64_t b, int64_t kh) {
+  constexpr int NZ = D / 64;  // 64-byte vectors per row
+  constexpr int NC = D / 4;   // dword columns of a row
+  constexpr int NV = D / 16;  // fp32 / int32 vectors of one head's output
+  const int64_t bs = p.bs, R = p.R;
+  const int64_t len = p.lens[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
+  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
+
+  // q (times the softmax scale) as int8 codes, 4 to a dword, and a scale per head.
+  alignas(64) int32_t qd[G][NC];
+  float qscale[G];
+  __m512i qcorr[G];
+  for (int g = 0; g < G; ++g) {
+    float qf[D];
+    float amax = 0.f;
+    for (int d = 0; d < D; ++d) {
+      qf[d] = to_float(q[g * p.q_hstride + d]) * p.scale;
+      amax = std::max(amax, std::fabs(qf[d]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t codes[D];
+    int32_t sum = 0;
+    for (int d = 0; d < D; ++d) {
+      codes[d] = static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, qf[d] * inv))));
+      sum += codes[d];
+    }
+    std::memcpy(qd[g], codes, D);
+    qscale[g] = amax / 127.f;
+    qcorr[g] = _mm512_set1_epi32(128 * sum);
+  }
+
+  __m512 acc[G][NV];
+  __m512 m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+    m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[g] = _mm512_setzero_ps();
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i idx = _mm512_add_epi32(
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int32_t>(R))),
+      _mm512_set1_epi32(static_cast<int32_t>(D - 2)));
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  alignas(64) uint8_t wq[G][16];
+
+  const int32_t* bt = p.block_tables + b * p.bt_stride;
+  const uint8_t* kbase = p.k + kh * p.head_stride;
+  const uint8_t* vbase = p.v + kh * p.head_stride;
+  const int64_t n_blocks = (len + bs - 1) / bs;
+  for (int64_t j = 0; j < n_blocks; ++j) {
+    const uint8_t* kb = kbase + bt[j] * p.k_bstride;
+    const uint8_t* vb = vbase + bt[j] * p.v_bstride;
+    const int64_t blen = std::min(bs, len - j * bs);
+    if (j + 1 < n_blocks) {
+      const int64_t rows = std::min(bs, len - (j + 1) * bs);
+      prefetch_region(kbase + bt[j + 1] * p.k_bstride, rows * R);
+      prefetch_region(vbase + bt[j + 1] * p.v_bstride, rows * R);
+    }
+    for (int64_t t0 = 0; t0 < blen; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
+      const bool full = n == 16;
+      const uint8_t* kr = kb + t0 * R;
+      const uint8_t* vr = vb + t0 * R;
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+      const __m512 ks = gather_scales(kr, idx, valid);
+      const __m512 vs = gather_scales(vr, idx, valid);
+
+      // q.k: int32 sums of code products of the G heads for the 16 rows.
+      __m512i dots[G];
+      for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int z = 0; z < NZ; ++z) {
+        __m512i cols[16];
+        for (int t = 0; t < 16; ++t) {
+          cols[t] = full ? load_row<true>(kr + t * R + 64 * z, t, n) : load_row<false>(kr + t * R + 64 * z, t, n);
+        }
+        transpose16(cols);
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; ++c) {
+          const __m512i kc = _mm512_xor_si512(cols[c], bias);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) dots[g] = _mm512_dpbusd_epi32(dots[g], kc, _mm512_set1_epi32(qd[g][16 * z + c]));
+        }
+      }
+
+      // Online softmax; each row's weight times its V scale, quantized against the largest.
+      __m512 wscale[G];
+      for (int g = 0; g < G; ++g) {
+        const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[g], qcorr[g]));
+        const __m512 sg = _mm512_mask_mul_ps(neg_inf, valid, raw, _mm512_mul_ps(ks, _mm512_set1_ps(qscale[g])));
+        const __m512 m_new = _mm512_max_ps(m[g], bcast_max(sg));
+        if (_mm512_cmp_ps_mask(m_new, m[g], _CMP_GT_OQ)) {
+          const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));
+          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
+          l[g] = _mm512_mul_ps(l[g], alpha);
+          m[g] = m_new;
+        }
+        const __m512 pg = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sg, m[g])));
+        l[g] = _mm512_add_ps(l[g], pg);
+        const __m512 w = _mm512_mul_ps(pg, vs);
+        const __m512 wmax = bcast_max(w);
+        const __mmask16 nz = _mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 winv = _mm512_maskz_div_ps(nz, _mm512_set1_ps(255.f), wmax);
+        const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(w, winv));  // round half to even
+        _mm_store_si128(reinterpret_cast<__m128i*>(wq[g]), _mm512_cvtusepi32_epi8(codes));
+        wscale[g] = _mm512_mul_ps(wmax, _mm512_set1_ps(1.f / 255.f));
+      }
+
+      // sum_t w_t * v_t in int32, 4 rows at a time.
+      __m512i iacc[G][NV];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NV; ++c) iacc[g][c] = _mm512_setzero_si512();
+      for (int t4 = 0; t4 < n; t4 += 4) {
+        const uint8_t* v0 = vr + t4 * R;
+#pragma GCC unroll 2
+        for (int z = 0; z < NZ; ++z) {
+          __m512i x[4];
+          interleave4(load_row<false>(v0 + 64 * z, t4, n), load_row<false>(v0 + R + 64 * z, t4 + 1, n),
+                      load_row<false>(v0 + 2 * R + 64 * z, t4 + 2, n),
+                      load_row<false>(v0 + 3 * R + 64 * z, t4 + 3, n), x);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) {
+            int32_t w4;
+            std::memcpy(&w4, wq[g] + t4, 4);
+            const __m512i wb = _mm512_set1_epi32(w4);
+            for (int c = 0; c < 4; ++c) iacc[g][4 * z + c] = _mm512_dpbusd_epi32(iacc[g][4 * z + c], wb, x[c]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NV; ++c)
+          acc[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[g][c]), wscale[g], acc[g][c]);
+    }
+  }
+  // acc[g][4z + c] lane 4L + i holds value 64z + 16L + 4c + i (interleave4's order).
+  for (int g = 0; g < G; ++g) {
+    const float lsum = _mm512_reduce_add_ps(l[g]);
+    const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
+    alignas(64) float tmp[NV][16];
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(tmp[c], _mm512_mul_ps(acc[g][c], inv));
+    T* og = out + g * p.o_hstride;
+    for (int z = 0; z < NZ; ++z)
+      for (int c = 0; c < 4; ++c)
+        for (int L = 0; L < 4; ++L)
+          for (int i = 0; i < 4; ++i) og[64 * z + 16 * L + 4 * c + i] = from_float<T>(tmp[4 * z + c][4 * L + i]);
+  }
+}
+
+template <typename T>
+PairFn pick_vnni(int64_t G, int64_t D) {
+#define BATON_CASE(GG, DD) \
+  if (G == GG && D == DD) return &attend_pair_vnni<T, GG, DD>;
+  BATON_CASE(1, 64) BATON_CASE(2, 64) BATON_CASE(3, 64) BATON_CASE(4, 64)
+  BATON_CASE(1, 128) BATON_CASE(2, 128) BATON_CASE(3, 128) BATON_CASE(4, 128)
+#undef BATON_CASE
+  return nullptr;
+}
+#endif  // __AVX512VNNI__
+
+
 template <typename T, Fmt F>
 PairFn pick_fmt(int64_t G, int64_t D) {
 #define BATON_CASE(GG, DD) \
@@ -441,7 +680,12 @@ PairFn pick_fmt(int64_t G, int64_t D) {
 template <typename T>
 PairFn pick_avx512(Fmt f, int64_t G, int64_t D) {
   switch (f) {
-    case kInt8: return pick_fmt<T, kInt8>(G, D);
+    case kInt8: {
+#ifdef BATON_KVQ_VNNI
+      if (const PairFn f = pick_vnni<T>(G, D)) return f;
+#endif
+      return pick_fmt<T, kInt8>(G, D);
+    }
     case kE4M3: return pick_fmt<T, kE4M3>(G, D);
     default: return pick_fmt<T, kE5M2>(G, D);
   }
@@ -662,4 +906,14 @@ void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids) {
   } else {
     body(static_cast<bf16*>(out.data_ptr()));
   }
+}
+
+bool kv_int8_integer_kernel(int64_t group, int64_t head_dim) {
+#ifdef BATON_KVQ_VNNI
+  return pick_vnni<float>(group, head_dim) != nullptr;
+#else
+  (void)group;
+  (void)head_dim;
+  return false;
+#endif
 }
