@@ -216,6 +216,16 @@ def _close_pipes(p: subprocess.Popen) -> None:
                 pass
 
 
+def _build_kernels(device: str) -> None:
+    """Build (or find built) the CPU kernel extension before any other rank starts: they then import
+    it at once, instead of compiling it (or waiting for one of them to) inside their first step's
+    collectives, whose timeout a build on a busy machine outlasts."""
+    if not device.startswith("cuda"):
+        from baton.kernels import cpu_ops
+
+        cpu_ops.load()
+
+
 def _spawn(spec, module: str = "baton.common.parallel.worker") -> subprocess.Popen:
     # stdin: commands; stdout: the ready line; stderr: the caller's, so a rank's error shows.
     return subprocess.Popen(
@@ -247,6 +257,7 @@ def launch(load, model_name: str | None, dtype: torch.dtype, config: ParallelCon
     """Start ranks 1..N-1 (the model ``model_name``), load rank 0's shard with ``load(group)``
     (the loader, given the group to shard for), meet them, and return rank 0's model."""
     size = config.tensor_parallel_size
+    _build_kernels(config.device)
     host, port = "127.0.0.1", free_port()
     shares = _cpu_shares(size) if config.pin else [()] * size
     workers: list[subprocess.Popen] = []

@@ -29,6 +29,7 @@ from baton.common.parallel.driver import (
     RankFailedError,
     TensorParallelModel,
     _await_ready,
+    _build_kernels,
     _close_pipes,
     _cpu_shares,
     _rank_device,
@@ -117,6 +118,7 @@ def launch_pipeline(
     ports = _free_ports((pp if tp > 1 else 0) + tp)
     tp_ports, pp_ports = ports[: len(ports) - tp], ports[len(ports) - tp :]
     shares = _cpu_shares(world)
+    _build_kernels(device)
 
     def spec(rank: int) -> StageSpec:
         return StageSpec(

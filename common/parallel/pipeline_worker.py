@@ -31,6 +31,10 @@ def serve(spec: StageSpec, commands: int, replies: int) -> None:
     _pin(spec.cpus)
     stage = Stage(spec)
     model = stage.load()
+    if not spec.device.startswith("cuda"):  # built by rank 0 before it started this rank
+        from baton.kernels import cpu_ops
+
+        cpu_ops.load()
     os.write(replies, b"ready\n")
     stage.start()
     cache: torch.Tensor | None = None
