@@ -11,10 +11,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.outputs import RequestOutput
 from baton.common.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.common.parallel.data_parallel import DataParallelEngine
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -29,7 +33,13 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, dtype=dtype, **kwargs)
-        self.engine = LLMEngine.from_config(self.config, progress=progress)
+        self.engine: LLMEngine | DataParallelEngine
+        if self.config.data_parallel_size > 1:
+            from baton.common.parallel.data_parallel import launch
+
+            self.engine = launch(self.config, progress=progress)
+        else:
+            self.engine = LLMEngine.from_config(self.config, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -83,6 +83,18 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         default=1,
         help="stages (of --tensor-parallel-size ranks each) the model's layers are split into (default 1)",
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: place whole experts across the tensor- or data-parallel ranks instead of splitting each",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas, each with its own scheduler, KV cache and CPUs (offline commands; default 1)",
+    )
     _spec_args(p)
 
 
@@ -210,6 +222,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         jump_forward=not a.no_jump_forward,
         tensor_parallel_size=a.tensor_parallel_size,
         pipeline_parallel_size=a.pipeline_parallel_size,
+        enable_expert_parallel=a.enable_expert_parallel,
+        data_parallel_size=a.data_parallel_size,
     )
 
 
@@ -391,11 +405,19 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
 def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
     """Exit code 2 for a pipeline-parallel worker whose KV would cross to another worker, and for a
     tensor-parallel one that would move it over nccl: re-sharded transfers (each rank its own
-    heads) run over ucx."""
+    heads) run over ucx. And for any worker given data-parallel replicas: a worker serves one
+    engine (run more workers instead)."""
     if a.pipeline_parallel_size > 1 and moves_kv:
         print(
             "error: --pipeline-parallel-size > 1 runs colocated only for now (--colocated): each stage"
             " holds its own layers' KV, and transfers move one rank's layers",
+            file=sys.stderr,
+        )
+        return 2
+    if a.data_parallel_size > 1:
+        print(
+            "error: --data-parallel-size > 1 runs offline only for now (baton generate, baton bench"
+            " offline): a worker serves one engine; run more workers, which the gateway spreads load over",
             file=sys.stderr,
         )
         return 2
@@ -577,6 +599,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     flags += (
         ["--pipeline-parallel-size", str(a.pipeline_parallel_size)] if a.pipeline_parallel_size > 1 else []
     )
+    flags += ["--enable-expert-parallel"] if a.enable_expert_parallel else []
     if a.max_model_len is not None:
         flags += ["--max-model-len", str(a.max_model_len)]
     if a.speculative:
