@@ -188,6 +188,10 @@ def serve(spec: ReplicaSpec, commands: int, replies: int) -> None:
         os.sched_setaffinity(0, set(spec.cpus))
         torch.set_num_threads(len(spec.cpus))
     replica, group = _build(spec)
+    if not _engine_of(replica).config.device.startswith("cuda"):  # before any collective waits on it
+        from baton.kernels import cpu_ops
+
+        cpu_ops.load()
     _send(replies, "ready")
     if group is not None:
         group.start()
@@ -470,7 +474,7 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
     import torch
 
     from baton.common.index.server import free_port
-    from baton.common.parallel.driver import _cpu_shares
+    from baton.common.parallel.driver import _build_kernels, _cpu_shares
 
     size = config.data_parallel_size
     if config.tensor_parallel_size > 1:
@@ -480,6 +484,7 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
         raise ValueError("speculative decoding is not supported with expert-parallel data-parallel attention")
     one = asdict(_resolved(config))
     group = ("127.0.0.1", free_port(), 120.0) if dp_attention else None
+    _build_kernels(config.device)  # the replicas then import it, not build it inside a collective
     shares = _cpu_shares(size)
     specs = [ReplicaSpec(r, size, one, shares[r], group) for r in range(size)]
     workers: list[subprocess.Popen] = []
