@@ -201,8 +201,9 @@ class ShardedReceiver(KVReceiver):
         self._link.tell(Cancel(transfer_id))
 
     def progress(self, transfer_id: str) -> TransferProgress | None:
-        # Rank 0's: every prefill rank's stream that feeds it shows there; a stall of one feeding
-        # only the other ranks is caught by the transfer's deadline instead.
+        # Rank 0's: it is fed by prefill rank 0 under every plan (head 0's first holder), whose
+        # stream moves in step with its worker's other ranks (one engine drives them); a stream that
+        # stalls alone into another decode rank is caught by the transfer's deadline instead.
         return self._local.progress(transfer_id)
 
     def rank_bytes(self) -> list[int]:
