@@ -2,7 +2,7 @@
 give each request what one engine gives it (greedy and seeded sampling), with requests spread by
 load; a tiny Mixtral's attention data-parallel beside expert-parallel MoE blocks matches
 transformers token for token, with one replica idle (its dummy steps keep the collectives in
-step); a killed replica fails the engine with an error naming it; no replica outlives its test."""
+step); then a killed replica fails the engine with an error naming it; no replica outlives its test."""
 
 from __future__ import annotations
 
@@ -59,23 +59,9 @@ def test_dense_replicas_match_one_engine_per_request(dp2, llama_path):
 
 
 @pytest.mark.slow
-def test_killed_replica_fails_the_engine_naming_it(llama_path):
-    llm = LLM(llama_path, data_parallel_size=2, **SMALL)
-    worker = llm.engine.workers[0]
-    try:
-        worker.kill()
-        worker.wait(10)
-        with pytest.raises(EngineStepError, match=r"replica 1 \(pid \d+, exit code -9\) exited"):
-            llm.generate(PROMPTS[:1], GREEDY)
-        with pytest.raises(ReplicaFailedError, match="replica 1"):
-            llm.engine.step()
-    finally:
-        llm.engine.close()
-    assert wait_gone([worker.pid], 10) == []
-
-
-@pytest.mark.slow
-def test_attention_data_parallel_beside_expert_parallel_matches_transformers(tmp_path):
+def test_attention_data_parallel_beside_expert_parallel_matches_transformers_and_fails_on_a_dead_replica(
+    tmp_path,
+):
     path = str(write_tiny_mixtral(tmp_path / "mixtral"))
     reference = hf_greedy(path, PROMPTS, 8)
     llm = LLM(path, data_parallel_size=2, enable_expert_parallel=True, **SMALL)
@@ -91,6 +77,14 @@ def test_attention_data_parallel_beside_expert_parallel_matches_transformers(tmp
         assert llm.engine.num_requests_per_replica == [2, 1]
         assert [len(o.outputs[0].token_ids) for o in outs] == [8, 2, 8]
         assert_matches_hf(outs, reference)
+        # A killed replica fails the engine, naming it, at its next call (not at a collective's timeout).
+        worker = llm.engine.workers[0]
+        worker.kill()
+        worker.wait(10)
+        with pytest.raises(EngineStepError, match=r"replica 1 \(pid \d+, exit code -9\) exited"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        with pytest.raises(ReplicaFailedError, match="replica 1"):
+            llm.engine.step()
     finally:
         llm.engine.close()
     assert wait_gone(pids, 10) == []
