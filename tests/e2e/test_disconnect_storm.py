@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.up_process import start_up, stop_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 NUM_STREAMS = 1000
 CONCURRENCY = 48

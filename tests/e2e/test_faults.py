@@ -21,7 +21,7 @@ import pytest
 
 from baton.common.index.server import EmbeddedRedis, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 PROGRESS_TIMEOUT_S = 3.0
 # Long enough (>= 32 tokens) to be prefilled on the prefill worker.

@@ -42,7 +42,7 @@ from tests.e2e.fault_cluster import wait_for as _poll
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.e2e.up_process import start_up, stop_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 PROMPTS = [[11, 200, 3000, 45, 9], [700, 701, 702, 703, 704, 705], list(range(100, 140))]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -32,7 +32,7 @@ from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig
 
 from .fault_cluster import ENGINE_FLAGS, LoopThread, WorkerProcess, metric, tiny_model, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 PAUSE_BLOCKS = 40
 BS = 16

@@ -30,7 +30,7 @@ from baton.services.gateway.app import GatewayConfig, create_app
 
 from .fault_cluster import ENGINE_FLAGS, GatewayThread, LoopThread, tiny_model, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 BS = 16
 MAX_REQUEST_S = 1.5

@@ -22,6 +22,8 @@ from baton.services.procs import ProcessGroup
 from baton.services.up import wait_connected
 from tests.e2e.tiny_gateway import build_tiny_llama, decode_worker, gateway, wait_for
 
+pytestmark = pytest.mark.serial  # times its 401s and bursts: run alone (make test)
+
 KEY = "sk-limits-test-0123456789"
 OTHER_KEY = "sk-second-key-abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
