@@ -205,6 +205,7 @@ def load_model(
 
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     model = model.eval().requires_grad_(False)
+    quant.prepare_quantization(model, quantization, source, prequantized)  # int8: SmoothQuant
     if tensor_parallel is not None:
         from baton.common.model.tensor_parallel import shard_model
 

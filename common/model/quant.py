@@ -7,14 +7,18 @@ from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the lay
   the int32 product is scaled back by the channel's scale (inside oneDNN) and the token's. Below
   ``WEIGHT_ONLY_BELOW`` rows a weight-only int8 kernel (``torch._weight_int8pack_mm``: int8
   weights, activations in the model dtype) is faster: the product is bound by reading the
-  weights, and quantizing the activations would only add work.
+  weights, and quantizing the activations would only add work. Before quantizing, the model is
+  smoothed (SmoothQuant, ``smooth_model``: per-channel scales folded between each norm and the
+  q/k/v or gate/up projection it feeds, set from one prefill of ``CALIBRATION_TEXT``), and the LM
+  head stays bf16: SmolLM2's perplexity goes from 1.061x bf16's to 1.024x (``baton bench accuracy``).
 - **fp8**: e4m3 weights with a per-output-channel scale. A per-channel scale factors out of the
   product, so the codes are widened to the model dtype block by block right before the GEMM
   (``cpu_ops.fp8_widen``, a table lookup) and the output columns are scaled; on a GPU, a Triton kernel does the same in registers
   (``kernels.triton_quant``).
 
-The model is built and loaded as usual; ``quantize_model`` then swaps its projections (and the LM
-head, see ``quantize_model``) for the modules here, so ``llama.py`` knows nothing of the formats.
+The model is built and loaded as usual; ``prepare_quantization`` smooths it (int8) and
+``quantize_model`` then swaps its projections (and the LM head where ``QUANTIZE_LM_HEAD`` says) for
+the modules here, so ``llama.py`` knows nothing of the formats.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from baton.common.model.llama import LlamaForCausalLM
+    from baton.common.model.llama import Linear, LlamaForCausalLM, RMSNorm
 
 QUANTIZATIONS = ("int8", "fp8")
 INT8_MAX = 127.0
@@ -205,13 +209,145 @@ def fp8_linear_cpu(
     return out
 
 
+# -- SmoothQuant smoothing (int8) ----------------------------------------------------------------
+SMOOTH_ALPHA = 0.5
+"""SmoothQuant's migration strength: how much of an input channel's range moves from the
+activations into the weights (llm-compressor's default; 0.8 measured worse on SmolLM2)."""
+
+CALIBRATION_TEXT = """\
+The river rose slowly through the night, and by morning the lower fields were under water. Farmers
+moved their animals to the hills, and the school in the village opened its doors to families who had
+nowhere else to go. Nobody could remember a spring so wet.
+
+User: What is the capital of France, and how many people live there?
+Assistant: The capital of France is Paris. About two million people live in the city itself, and
+more than twelve million in the wider metropolitan area.
+
+def mean(values):
+    \"\"\"Return the arithmetic mean of a non-empty list of numbers.\"\"\"
+    if not values:
+        raise ValueError("mean() needs at least one value")
+    return sum(values) / len(values)
+
+In 1905, Albert Einstein published four papers that changed physics: on the photoelectric effect, on
+Brownian motion, on special relativity, and on the equivalence of mass and energy, E = mc^2. Prices
+rose 3.2% in March; the central bank said it would keep its rate at 4.5% until inflation fell.
+"""
+"""A small fixed text (prose, a chat turn, code, numbers) whose activations set the smoothing
+scales: SmoothQuant needs each channel's activation range, which the weights alone do not tell
+(estimating it from the norm weights measured 1.049x bf16's perplexity against 1.024x)."""
+
+
+def smoothing_scales(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per input channel ``s_j = a_j^alpha / w_j^(1 - alpha)`` (``a_j``: the channel's activation
+    range, ``w_j``: its largest weight over the output rows), rounded to a power of two so that
+    dividing a bf16 norm weight by it and multiplying a bf16 weight column are exact (a saved
+    checkpoint then reloads the same weights)."""
+    a = act_amax.float().abs().clamp_min(1e-5)
+    w = weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
+    return torch.exp2(torch.round(torch.log2(a.pow(alpha) / w.pow(1 - alpha))))
+
+
+def smoothed_pairs(model: LlamaForCausalLM) -> list[tuple[RMSNorm, Linear]]:
+    """(RMSNorm, the projection it alone feeds) of every layer: q/k/v after the input norm and
+    gate/up after the post-attention norm (llm-compressor's SmoothQuant mappings for Llama)."""
+    from baton.common.model.llama import Linear, RMSNorm
+
+    pairs = []
+    for layer in model.layers:
+        for norm_name, proj_path in (
+            ("input_layernorm", "self_attn.qkv_proj"),
+            ("post_attention_layernorm", "mlp.gate_up_proj"),
+        ):
+            norm = getattr(layer, norm_name, None)
+            try:
+                proj = layer.get_submodule(proj_path)
+            except AttributeError:
+                continue  # e.g. a mixture of experts in place of the MLP
+            if isinstance(norm, RMSNorm) and isinstance(proj, Linear) and proj.weight is not None:
+                pairs.append((norm, proj))
+    return pairs
+
+
+def prefill_inputs(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> tuple:
+    """``model.forward``'s arguments for one prefill of ``token_ids`` into a scratch paged cache
+    (ids, positions, cache, metadata)."""
+    from baton.common.model.attention import AttentionMetadata, FreshRun
+
+    cfg, n = model.config, len(token_ids)
+    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    nb = -(-n // block_size)
+    shape = (nb, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
+    rows = torch.arange(n, device=dev)
+    meta = AttentionMetadata(
+        slot_blocks=rows // block_size,
+        slot_offsets=rows % block_size,
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+        fresh_runs=(FreshRun(0, 1, n),),
+        context_prefills=(),
+        prefill_block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+        prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+    )
+    ids = torch.tensor(token_ids, device=dev)
+    return ids, rows, torch.zeros(shape, dtype=dtype, device=dev), meta
+
+
+def activation_ranges(model: LlamaForCausalLM, token_ids: list[int]) -> dict:
+    """Per-channel max |x| at the input of every smoothed projection (module -> [in]) over one
+    prefill of ``token_ids`` through the model."""
+    ranges: dict = {}
+
+    def record(module, args):
+        ranges[module] = args[0].detach().float().abs().amax(dim=0)
+
+    hooks = [proj.register_forward_pre_hook(record) for _, proj in smoothed_pairs(model)]
+    try:
+        with torch.inference_mode():
+            model(*prefill_inputs(model, token_ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    return ranges
+
+
+def smooth_model(model: LlamaForCausalLM, token_ids: list[int], alpha: float = SMOOTH_ALPHA) -> None:
+    """SmoothQuant before int8 quantization: between each norm and the projection it feeds, fold
+    a per-channel scale (``smoothing_scales`` of the activation ranges over ``token_ids``): the
+    norm's output channel j divided by ``s_j``, the projection's input column j multiplied by it,
+    so the product is unchanged and the outlier channels that per-token int8 activations lose
+    precision to are flattened. Runs on the whole model, before tensor-parallel sharding."""
+    ranges = activation_ranges(model, token_ids)
+    with torch.no_grad():
+        for norm, proj in smoothed_pairs(model):
+            s = smoothing_scales(ranges[proj], proj.weight, alpha)
+            norm.weight.data = (norm.weight.float() / s).to(norm.weight.dtype)
+            proj.weight.data = (proj.weight.float() * s).to(proj.weight.dtype)
+
+
+def prepare_quantization(
+    model: LlamaForCausalLM, quantization: str | None, source, prequantized: dict
+) -> None:
+    """What a loaded model (``source``: its ``ModelSource``) needs before sharding and
+    ``quantize_model``: int8 quantized here (not read from a checkpoint, whose weights were smoothed
+    before they were saved) is smoothed on ``CALIBRATION_TEXT``, tokenized by the model's tokenizer."""
+    if quantization == "int8" and not prequantized:
+        from baton.common.model.source import load_tokenizer
+
+        ids = load_tokenizer(source).encode(CALIBRATION_TEXT, add_special_tokens=False)
+        smooth_model(model, ids)
+
+
 _MODULES = {"int8": Int8Linear, "fp8": Fp8Linear}
 _QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
 
-QUANTIZE_LM_HEAD = {"int8": True, "fp8": False}
-"""Whether the LM head is quantized too (the embedding never is): int8's weight-only kernel reads
-half the bytes of the bf16 head at batch 1; fp8's widening of the 49152-row head each step costs
-more than its product saves (measured, see the report of issue 12)."""
+QUANTIZE_LM_HEAD = {"int8": False, "fp8": False}
+"""Whether the LM head is quantized too (the embedding never is). Neither is, as llm-compressor's
+W8A8 recipes leave it (``ignore: [lm_head]``): with int8 (smoothed) SmolLM2's perplexity was 1.031x
+bf16's against 1.024x with it in bf16; fp8's widening of the 49152-row head each step costs more
+than its product saves."""
 
 
 def quantize_model(

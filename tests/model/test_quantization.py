@@ -150,3 +150,34 @@ def test_accuracy_bench_text_and_measures_are_fixed():
     assert accuracy.perplexity(0.0, 10) == 1.0
     with pytest.raises(ValueError):
         accuracy.agreement_prompts(ids[:5], 3, 10)
+
+
+def test_smoothing_folds_exactly_and_rescales_the_outlier_channels(tiny_dir):
+    """SmoothQuant's power-of-two scales fold between each norm and its projection without a
+    rounding: the smoothed fp32 model's hidden states are bit for bit the unsmoothed one's, while
+    the norm weights of outlier channels (made 30x the rest here) shrink and their weight columns grow."""
+    import torch
+
+    from baton.common.model import quant
+    from baton.common.model.llama import LlamaForCausalLM
+    from baton.common.model.loader import config_from_hf
+
+    cfg = config_from_hf(json.loads((tiny_dir / "config.json").read_text()))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    for layer in model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = torch.rand(cfg.hidden_size) + 0.5
+            norm.weight.data[:4] *= 30  # outlier channels
+    ids = [100 + 37 * i % 900 for i in range(40)]
+    with torch.inference_mode():
+        before = model(*quant.prefill_inputs(model, ids))
+    norm0 = model.layers[0].input_layernorm.weight.clone()
+    quant.smooth_model(model, ids)
+    with torch.inference_mode():
+        after = model(*quant.prefill_inputs(model, ids))
+    assert torch.equal(before, after)
+    ratio = model.layers[0].input_layernorm.weight / norm0  # 1 / s: powers of two
+    assert torch.equal(ratio, torch.exp2(torch.round(torch.log2(ratio))))
+    assert ratio[:4].max() < ratio[4:].min(), "the outlier channels are scaled down the most"
+    assert len(quant.smoothed_pairs(model)) == 2 * cfg.num_layers
