@@ -113,6 +113,60 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(sum(alpha**i for i in range(k + 1)))
 
 
+class ThroughputGuard:
+    """Output tokens per second measured on decode-only steps, with and without verification, per
+    batch size (power-of-two buckets): the check the cost model's extrapolation cannot make. A
+    linear fit over every step seen (prefill chunks of 2048 tokens, decodes of 64) puts the cost of
+    the few hundred tokens a verification adds where the line says, not where the GEMMs, the LM
+    head and attention at that row count put it; on a loaded host its fixed part swells with the
+    waiting, and extra tokens look free. Where the measured rate with proposals is below the rate
+    without, speculation stops at that batch size; every ``explore_every``-th decode step takes the
+    other arm, so both rates stay current (that costs at most 1/``explore_every`` of the steps)."""
+
+    def __init__(self, explore_every: int = 48, decay: float = 0.8):
+        self.explore_every = explore_every
+        self._decay = decay
+        self._rates: dict[tuple[int, bool], float] = {}
+        """(batch bucket, verified) -> exponentially weighted output tokens per second."""
+        self._steps = 0
+
+    @staticmethod
+    def bucket(num_decodes: int) -> int:
+        return 1 << max(num_decodes - 1, 0).bit_length()
+
+    def observe(self, num_decodes: int, verified: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of ``num_decodes`` requests that output ``tokens`` in ``seconds``."""
+        if num_decodes <= 0 or seconds <= 0:
+            return
+        self._steps += 1
+        key = (self.bucket(num_decodes), verified)
+        rate = tokens / seconds
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else self._decay * old + (1 - self._decay) * rate
+
+    def exploring(self) -> bool:
+        return self._steps % self.explore_every == 0
+
+    def _pair(self, num_decodes: int) -> tuple[float | None, float | None]:
+        """The measured rates (with proposals, without) at this batch size."""
+        b = self.bucket(num_decodes)
+        return self._rates.get((b, True)), self._rates.get((b, False))
+
+    def allows(self, num_decodes: int) -> bool:
+        """Whether proposals may be verified in the next step at this batch size."""
+        spec, plain = self._pair(num_decodes)
+        if spec is not None and plain is None:
+            return False  # measure the plain rate once before going on
+        if spec is None or plain is None:
+            return True
+        return spec >= plain or self.exploring()
+
+    def forces_plain(self, num_decodes: int) -> bool:
+        """Whether the next step runs without proposals, to refresh the plain rate."""
+        spec, plain = self._pair(num_decodes)
+        return spec is not None and plain is not None and spec >= plain and self.exploring()
+
+
 @dataclass
 class SpecStats:
     """Counters named after vLLM's ``spec_decode`` metrics (exported by ``common.metrics``)."""
@@ -158,6 +212,7 @@ class SpecController:
         """A draft model's forward pass (one per proposed position); unused for n-grams."""
         self.alpha = prior_alpha
         """Running (exponentially decayed) fraction of proposals accepted."""
+        self.guard = ThroughputGuard()
         self._prior = prior_alpha
         self._decay = decay
 
@@ -174,10 +229,12 @@ class SpecController:
         """The k for a step whose other work is ``num_tokens`` tokens (one per decode, prefill
         chunks) and in which ``num_speculating`` of the ``num_decodes`` decoding requests have
         proposals (draft models: all of them)."""
-        if not self.adaptive or not self.target.fitted:
+        if not self.adaptive:
             return self.k_max
-        if num_speculating <= 0:
+        if num_speculating <= 0 or not self.guard.allows(num_decodes) or self.guard.forces_plain(num_decodes):
             return 0
+        if not self.target.fitted:
+            return self.k_max
         base = num_decodes / max(self.target.predict(num_tokens), 1e-9)
         best_k, best = 0, base * self.MARGIN
         for k in range(1, self.k_max + 1):

@@ -163,6 +163,9 @@ class Speculator:
             self.controller.observe_acceptance(r.num_spec, accepted)
         if not verified:
             self.controller.idle()
+        if sched.requests and all(r.sample and r.num_tokens - r.num_spec == 1 for r in sched.requests):
+            tokens = sum(len(t) if isinstance(t, tuple) else 1 for t in result.sampled.values())
+            self.controller.guard.observe(len(sched.requests), verified, tokens, seconds)
         self.draft_probs = {}
 
     def propose(

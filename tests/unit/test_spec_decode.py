@@ -259,3 +259,31 @@ def test_drop_past_stop_keeps_the_token_that_completed_the_stop_string():
         req.append_output(t)
     drop_past_stop(req, "cd", Tok(), max_drop=4)
     assert req.output_token_ids == [1, 2, 3] and req.all_token_ids == [0, 1, 2, 3]
+
+
+def test_measured_slower_speculation_stops_at_that_batch_size_and_is_retried_now_and_then():
+    # The cost model says speculate (memory-bound), but decode steps of 64 measured fewer tokens
+    # per second with proposals than without: the measurement wins, at that batch size only.
+    c = _fitted(0.020, 0.00005)
+    k = c.choose_k(num_tokens=64, num_decodes=64, num_speculating=64)
+    assert k > 0
+    c.guard.observe(64, True, tokens=90, seconds=1.0)
+    assert c.choose_k(num_tokens=64, num_decodes=64, num_speculating=64) == 0  # plain measured first
+    c.guard.observe(64, False, tokens=64, seconds=0.5)
+    ks = []
+    for _ in range(2 * c.guard.explore_every):
+        ks.append(c.choose_k(num_tokens=64, num_decodes=64, num_speculating=64))
+        c.guard.observe(64, ks[-1] > 0, tokens=90 if ks[-1] else 64, seconds=1.0 if ks[-1] else 0.5)
+    assert ks.count(k) == 2 and ks.count(0) == len(ks) - 2  # one exploring step in each round
+    assert c.choose_k(num_tokens=1, num_decodes=1, num_speculating=1) == 4  # batch 1 is unaffected
+
+
+def test_measured_faster_speculation_goes_on_with_a_plain_step_now_and_then():
+    c = _fitted(0.020, 0.00005)
+    c.guard.observe(1, False, tokens=1, seconds=0.02)
+    c.guard.observe(1, True, tokens=3, seconds=0.025)
+    ks = []
+    for _ in range(c.guard.explore_every):
+        ks.append(c.choose_k(num_tokens=1, num_decodes=1, num_speculating=1))
+        c.guard.observe(1, ks[-1] > 0, tokens=3 if ks[-1] else 1, seconds=0.025 if ks[-1] else 0.02)
+    assert ks.count(0) == 1 and ks.count(4) == len(ks) - 1
