@@ -477,8 +477,11 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
     from baton.common.parallel.driver import _build_kernels, _cpu_shares
 
     size = config.data_parallel_size
-    if config.tensor_parallel_size > 1:
-        raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet")
+    if config.tensor_parallel_size > 1 or getattr(config, "pipeline_parallel_size", 1) > 1:
+        raise ValueError(
+            "--data-parallel-size > 1 with --tensor-parallel-size or --pipeline-parallel-size > 1 is not"
+            " supported yet"
+        )
     dp_attention = config.enable_expert_parallel and _is_moe(config)
     if dp_attention and config.speculative is not None:
         raise ValueError("speculative decoding is not supported with expert-parallel data-parallel attention")

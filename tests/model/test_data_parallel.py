@@ -101,3 +101,5 @@ def test_flags_reach_the_engine_and_workers_refuse_replicas(capsys):
     assert "offline only" in capsys.readouterr().err
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         LLM(data_parallel_size=0)
+    with pytest.raises(ValueError, match="not supported yet"):  # refused before anything starts
+        LLM(data_parallel_size=2, tensor_parallel_size=2)
