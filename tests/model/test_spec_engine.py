@@ -335,8 +335,11 @@ def test_a_grammar_that_can_only_end_stops_short_of_min_tokens(target, tok):
         _structured("[0-9]{3}", max_tokens=20, min_tokens=8, temperature=1.0, seed=1),
     ):
         outs = [_run(_engine(target, tok, **kw), prompts, params) for kw in ({}, NGRAM)]
-        assert {k: v.token_ids for k, v in outs[0].items()} == {k: v.token_ids for k, v in outs[1].items()}
-        for o in outs[0].values():
+        if params.greedy:  # sampled: the same distribution, not the same draws
+            assert {k: v.token_ids for k, v in outs[0].items()} == {
+                k: v.token_ids for k, v in outs[1].items()
+            }
+        for o in (*outs[0].values(), *outs[1].values()):
             assert o.finish_reason == "stop" and o.text.isdigit() and len(o.text) == 3, o
             assert o.token_ids[-1] == 1 and len(o.token_ids) == 4  # three digits and EOS, under 8
 
