@@ -203,9 +203,9 @@ def _run_to_end(engine, request_id: str):
 
 COPIES = [
     {"name": "Ada Lovelace", "age": 36},
-    {"city": "Rome", "population_millions": 2.8, "is_capital": True},
     {"title": "The Hobbit", "author": {"first": "John", "last": "Tolkien"}, "year": 1937},
 ]
+COPY_SCHEMAS = [SCHEMAS[0], SCHEMAS[2]]
 
 
 def test_speculation_and_jump_forward_together_keep_greedy_structured_output(llm_fp32):
@@ -221,9 +221,9 @@ def test_speculation_and_jump_forward_together_keep_greedy_structured_output(llm
     spec = LLMEngine(config, base.model, base.tokenizer, base.eos_token_ids)
     questions = [f"Copy this JSON object exactly:\n\n{json.dumps(c, separators=(',', ':'))}" for c in COPIES]
     ids = [_chat_ids(llm_fp32, q) for q in questions]
-    outs = llm_fp32.generate([{"prompt_token_ids": i} for i in ids], [_json_params(s) for s in SCHEMAS])
+    outs = llm_fp32.generate([{"prompt_token_ids": i} for i in ids], [_json_params(s) for s in COPY_SCHEMAS])
     want = [o.outputs[0] for o in outs]
-    for n, (prompt, schema) in enumerate(zip(ids, SCHEMAS)):
+    for n, (prompt, schema) in enumerate(zip(ids, COPY_SCHEMAS)):
         spec.add_request(str(n), prompt, _json_params(schema))
     got = {}
     for _ in range(500):
@@ -231,7 +231,7 @@ def test_speculation_and_jump_forward_together_keep_greedy_structured_output(llm
             break
         got |= {o.request_id: o.outputs[0] for o in spec.step()}
     assert not spec.has_unfinished_requests()
-    for n, (w, schema) in enumerate(zip(want, SCHEMAS)):
+    for n, (w, schema) in enumerate(zip(want, COPY_SCHEMAS)):
         assert got[str(n)].token_ids == w.token_ids, (got[str(n)].text, w.text)
         assert got[str(n)].finish_reason == "stop"
         jsonschema.validate(json.loads(w.text), schema)
