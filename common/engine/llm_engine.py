@@ -504,7 +504,11 @@ class LLMEngine:
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         n = max(1, min(prompt_len, self.max_model_len - decode_steps - 1))
         vocab = self.model.config.vocab_size
-        self.runner.warm_up(self.config.max_num_batched_tokens, min(64, self.config.max_num_seqs))
+        cfg = self.config
+        # A verification's LM head runs 1 + k rows a request (``rejection.padded_rows``).
+        per_request = 1 + (cfg.num_speculative_tokens if self.speculator is not None else 0)
+        lm_rows = min(cfg.max_num_batched_tokens, min(64, cfg.max_num_seqs) * per_request)
+        self.runner.warm_up(cfg.max_num_batched_tokens, lm_rows)
         # One greedy request and one sampled as chat clients ask (temperature, top-p, top-k, a seed,
         # logprobs): every sampler path has run once before the first real request needs it.
         greedy = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)

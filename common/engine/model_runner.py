@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from baton.common.engine.cascade_plan import CascadeConfig, plan_cascade
-from baton.common.engine.rejection import VerifyGroup, verify
+from baton.common.engine.rejection import VerifyGroup, padded_rows, verify
 from baton.common.engine.request import Request
 from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
@@ -237,7 +237,7 @@ class ModelRunner:
         if self.model.lm_head_packed is None and self.model.lm_head_quant is None:
             return
         hidden = self.model.config.hidden_size
-        for n in range(1, max_sampled + 1):
+        for n in token_buckets(max_sampled):  # the row counts ``padded_rows`` gives
             self.model.greedy_tokens(torch.zeros(n, hidden, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
@@ -270,9 +270,10 @@ class ModelRunner:
         if grammar is None and all(p.greedy and p.logprobs is None for p in params):
             # No fp32 logits here: the hidden rows are checked instead ([S, hidden], a few us).
             # Finite hidden states and finite weights give finite logits.
-            result = SampleResult(self.model.greedy_tokens(rows).tolist(), bad_rows=_non_finite_rows(rows))
+            tokens = self.model.greedy_tokens(padded_rows(rows))[: len(rows)].tolist()
+            result = SampleResult(tokens, bad_rows=_non_finite_rows(rows))
         else:
-            logits = self.model.compute_logits(rows)
+            logits = self.model.compute_logits(padded_rows(rows))[: len(rows)]
             gens = [generators.get(rid) for rid in inputs.sample_ids]
             result = sample(logits.cpu(), params, gens, grammar)
         return _runner_output(inputs.sample_ids, result)

@@ -28,6 +28,7 @@ import torch
 from baton.common.engine.sampler import chosen_logprobs, finite_rows, sampling_probs
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken
+from baton.common.engine.step_shapes import padded_num_tokens
 
 if TYPE_CHECKING:
     from baton.common.engine.structured import GrammarMask
@@ -96,6 +97,16 @@ def rejection_sample(
     return out
 
 
+def padded_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [M, hidden] with zero rows after them up to ``padded_num_tokens(M)``: the LM head
+    runs at the step shapes' row counts, whose oneDNN primitives warm-up built. A verification's
+    row count (each request's 1 + k) changes from step to step, and every new one built a
+    primitive for the 576 x 49,152 product while serving (most of a batched offline run's time
+    with speculation on, before the first warm run: 34 s against 1.8 s warm, loaded 2-core Xeon)."""
+    extra = padded_num_tokens(rows.shape[0]) - rows.shape[0]
+    return rows if extra == 0 else torch.cat([rows, rows.new_zeros(extra, rows.shape[1])])
+
+
 def verify(
     model,
     hidden: torch.Tensor,  # [N, hidden], the step's final hidden states
@@ -117,7 +128,7 @@ def verify(
         start += len(g.rows)
     if mask is None and all(p.greedy and p.logprobs is None for p in params):
         # Argmaxes only, without fp32 logits: the runner's own greedy fast path.
-        targets = model.greedy_tokens(rows).tolist()
+        targets = model.greedy_tokens(padded_rows(rows))[: len(rows)].tolist()
         ok = finite_rows(rows).tolist()
         out = {
             g.request_id: tuple(SampledToken(t) for t in accept_greedy(targets[span], g.draft))
@@ -125,7 +136,7 @@ def verify(
             if all(ok[span])
         }
         return out, tuple(g.request_id for g in groups if g.request_id not in out)
-    logits = model.compute_logits(rows).float().cpu()  # [R, V]
+    logits = model.compute_logits(padded_rows(rows))[: len(rows)].float().cpu()  # [R, V]
     finite = finite_rows(logits)
     ok = finite.tolist()
     # A bad row fails only its group: zeroed, it cannot spread NaNs through the batched softmax.

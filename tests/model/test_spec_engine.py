@@ -369,3 +369,22 @@ def test_smollm2_greedy_output_is_identical_with_ngram_speculation(llm_fp32):
     assert got.token_ids == want.token_ids and got.text == want.text
     assert spec.speculator.stats.num_accepted_tokens >= 8, spec.speculator.stats
     assert spec.num_steps_total < steps  # copying the text, several tokens a step
+
+
+def test_the_lm_head_runs_at_the_step_shapes_row_counts_only(target, tok, monkeypatch):
+    """A verification's rows (1 + k per request, a new count almost every step) reach the LM head
+    padded to the step shapes' buckets, whose primitives warm-up builds: none is built mid-run."""
+    from baton.common.engine.step_shapes import token_buckets
+
+    config = EngineConfig(
+        dtype="float32", block_size=4, kv_cache_gib=0.01, max_num_batched_tokens=512, **NGRAM
+    )
+    engine = LLMEngine(config, target, tok, frozenset({1}))
+    seen = set()
+    for name in ("greedy_tokens", "compute_logits"):
+        real = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda h, real=real: seen.add(h.shape[0]) or real(h))
+    prompts = [p * 2 for p in _workload(9, n=64)]
+    _run(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert engine.speculator.stats.num_drafts > 0
+    assert seen <= set(token_buckets(512)) and max(seen) > 64, sorted(seen)
