@@ -178,7 +178,8 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
         try:
             if not rid:
                 raise ValueError("request_id must not be empty")
-            params = dataclasses.replace(params_from_proto(request.params), max_tokens=1, min_tokens=0)
+            params = params_from_proto(request.params)  # one token here; min_tokens masks its stops too
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             llm.validate_prompt(ids)
             bs = llm.config.block_size
             skip = request.num_skip_tokens

@@ -83,13 +83,14 @@ def _proto(d: TransferDescriptor) -> baton_pb2.TransferDescriptor:
     )
 
 
-def _prefill(worker, rid, ids, descriptor, skip, dst_ids, timeout=60):
+def _prefill(worker, rid, ids, descriptor, skip, dst_ids, timeout=60, params=None):
+    params = params or SamplingParams(temperature=0, max_tokens=20)
     with grpc.insecure_channel(f"127.0.0.1:{worker.grpc_port}") as channel:
         return baton_pb2_grpc.PrefillStub(channel).Prefill(
             baton_pb2.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=ids,
-                params=params_to_proto(SamplingParams(temperature=0, max_tokens=20)),
+                params=params_to_proto(params),
                 destination=descriptor,
                 num_skip_tokens=skip,
                 dst_block_ids=dst_ids,
@@ -98,14 +99,14 @@ def _prefill(worker, rid, ids, descriptor, skip, dst_ids, timeout=60):
         )
 
 
-def _run(worker, dest, rid, ids, skip=0):
+def _run(worker, dest, rid, ids, skip=0, params=None):
     """Expect, prefill, wait: returns the response and the destination ids used."""
     receiver, descriptor, cache = dest
     cache.zero_()
     n = -(-len(ids) // BS) - skip // BS
     dst = random.Random(rid).sample(range(64), n)
     handle = receiver.expect(rid, dst)
-    resp = _prefill(worker, rid, ids, _proto(descriptor), skip, dst)
+    resp = _prefill(worker, rid, ids, _proto(descriptor), skip, dst, params=params)
     handle.wait(30)
     return resp, dst
 
@@ -140,6 +141,19 @@ def test_prefill_pushes_the_offline_kv(worker, dest, llm_fp32):
     _check_kv(cache, dst, ref, len(ids), 0)
     untouched = sorted(set(range(64)) - set(dst))
     assert not cache[untouched].any()
+
+
+def test_min_tokens_keeps_a_stop_token_from_being_the_first_token(worker, dest, llm_fp32):
+    """The first token, sampled on the prefill worker, obeys ``min_tokens``: a stop token there
+    would end the request before its minimum."""
+    _, descriptor, _ = dest
+    ids = _prompt(descriptor, 900)
+    greedy_first = llm_fp32.generate([ids], GREEDY)[0].outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=2, stop_token_ids=[greedy_first])
+    resp, _ = _run(worker, dest, f"min-tokens-{descriptor.backend}", ids, params=params)
+    offline = llm_fp32.generate([ids], params)[0].outputs[0].token_ids
+    assert resp.first_token_id != greedy_first
+    assert resp.first_token_id == offline[0] and len(offline) >= 2
 
 
 def test_skip_tokens_sends_only_the_rest(worker, dest, llm_fp32):
