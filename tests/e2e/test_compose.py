@@ -31,6 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton.common.index.server import EmbeddedRedis, free_port
 
+# Three workers with compose.yaml's own settings (a 4 GiB KV cache each): beside another module's
+# cluster they would not fit in a 24 GiB machine, so `make test` runs this module alone.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 MONITORING = ROOT / "deploy" / "monitoring"

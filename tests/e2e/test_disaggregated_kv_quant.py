@@ -25,7 +25,11 @@ from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.prefill import worker as prefill_mod
 
-pytestmark = pytest.mark.slow
+# Serial: beside another module's cluster its tokens once parted from the colocated engine's at the
+# second token (alone it passes). Likely cause, not confirmed: a transfer stalled past
+# prefill_stall_timeout_s on the loaded machine and the decode worker computed the rest itself, in
+# other chunks, which int8 KV rounds differently.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE = EngineConfig(

@@ -164,8 +164,9 @@ def test_cache_publisher_drops_events_while_redis_is_away_and_republishes_everyt
         # Back (its data intact, the events of the outage lost): the whole cache goes out again.
         assert wait_until(lambda: index.longest_prefix(during) == {"d2": 6}, 10), "no resync after the outage"
         # Every event of the outage was dropped, the queued ones in bulk after the first failed
-        # write (not one bounded timeout each: that alone would take 200 s).
-        assert publisher.num_resyncs >= 1 and publisher.num_dropped == 200
+        # write (not one bounded timeout each: that alone would take 200 s). On a loaded machine a
+        # write before the outage can outlast the client's 0.5 s read timeout and count as dropped too.
+        assert publisher.num_resyncs >= 1 and publisher.num_dropped >= 200
         resyncs = publisher.num_resyncs
         _restart_empty(server)
         assert index.longest_prefix(before) == {}
