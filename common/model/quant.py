@@ -43,7 +43,7 @@ WEIGHT_ONLY_BELOW = 4
 """Projections of fewer rows take the weight-only kernel: at 1-3 rows (batch-1 decode) it reads
 the int8 weight at ~1.5-2.5x the speed of the bf16 oneDNN GEMM, and quantizing the activations
 costs more than their product saves; from 4 rows up its time grows with the rows and W8A8 wins
-(SmolLM2's shapes, one thread of a Xeon with AMX; the LM head is W8A8 at every row count)."""
+(SmolLM2's shapes, one thread of a Xeon with AMX; the LM head stays bf16: ``QUANTIZE_LM_HEAD``)."""
 FP8_BLOCK_ROWS = 1024
 """Output channels widened at once in the CPU fp8 path: a block of bf16 weights stays in L2."""
 
