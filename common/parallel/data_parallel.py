@@ -22,19 +22,16 @@ import atexit
 import json
 import logging
 import os
-import pickle
 import select
-import struct
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
 from baton.common.engine.llm_engine import EngineConfig, EngineFullError, EngineStepError, LLMEngine
+from baton.common.parallel.messages import read_object, send_object
 
 log = logging.getLogger(__name__)
-
-_LEN = struct.Struct("<Q")
 
 
 class ReplicaFailedError(EngineStepError):
@@ -96,31 +93,6 @@ class _Reply:
     """A step's ``RequestOutput``s (empty for an add)."""
     error: tuple[str, str] | None = None
     """(exception class name, message) of what failed, or None."""
-
-
-def _send(fd: int, obj) -> None:
-    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_LEN.pack(len(body)) + body)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(fd: int):
-    """The next message on ``fd``, or None at end of file (the other side has gone)."""
-    head = _read_exact(fd, _LEN.size)
-    body = None if head is None else _read_exact(fd, _LEN.unpack(head)[0])
-    return None if body is None else pickle.loads(body)
 
 
 # -- one replica --------------------------------------------------------------------------------
@@ -192,26 +164,26 @@ def serve(spec: ReplicaSpec, commands: int, replies: int) -> None:
         from baton.kernels import cpu_ops
 
         cpu_ops.load()
-    _send(replies, "ready")
+    send_object(replies, "ready")
     if group is not None:
         group.start()
     engine = _engine_of(replica)
     while True:
-        msg = _recv(commands)
+        msg = read_object(commands)
         if msg is None:
             return
         if isinstance(msg, _Step):
             try:
-                _send(replies, _Reply(replica.step()))
+                send_object(replies, _Reply(replica.step()))
             except Exception as e:  # noqa: BLE001 - rank 0 reports it; this replica cannot go on
-                _send(replies, _Reply([], _error(e)))
+                send_object(replies, _Reply([], _error(e)))
                 raise
         elif isinstance(msg, _Add):
             try:
                 engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, prompt=msg.prompt)
-                _send(replies, _Reply([]))
+                send_object(replies, _Reply([]))
             except (ValueError, EngineFullError) as e:
-                _send(replies, _Reply([], _error(e)))
+                send_object(replies, _Reply([], _error(e)))
         elif isinstance(msg, _Abort):
             engine.abort_request(list(msg.request_ids))
         elif isinstance(msg, _ResetPrefixCache):
@@ -364,7 +336,7 @@ class DataParallelEngine:
         p = self.workers[r - 1]
         assert p.stdin is not None
         try:
-            _send(p.stdin.fileno(), msg)
+            send_object(p.stdin.fileno(), msg)
         except OSError as e:  # BrokenPipeError: that replica is gone
             _wait(p, 1.0)
             raise self._fail(e) from e
@@ -372,7 +344,7 @@ class DataParallelEngine:
     def _hear(self, r: int) -> _Reply:
         p = self.workers[r - 1]
         assert p.stdout is not None
-        reply = _recv(p.stdout.fileno())
+        reply = read_object(p.stdout.fileno())
         if reply is None:
             _wait(p, 1.0)
             raise self._fail(EOFError(f"replica {r} closed its pipe"))
@@ -437,7 +409,7 @@ def _await_ready(workers: list[subprocess.Popen], timeout_s: float) -> None:
         readable, _, _ = select.select([p.stdout], [], [], max(left, 0.0))
         if not readable:
             raise ReplicaFailedError(f"data-parallel replica {r} did not load in {timeout_s:.0f} s")
-        if _recv(p.stdout.fileno()) != "ready":
+        if read_object(p.stdout.fileno()) != "ready":
             p.wait(5)
             raise ReplicaFailedError(
                 f"data-parallel replica {r} exited with code {p.returncode} while loading"

@@ -111,10 +111,24 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _read_body(fd: int) -> bytes | None:
+    head = _read_exact(fd, _LEN.size)
+    return None if head is None else _read_exact(fd, _LEN.unpack(head)[0])
+
+
 def read(fd: int, device: str):
     """The next message from ``fd``, or None at end of file (rank 0 has gone)."""
-    head = _read_exact(fd, _LEN.size)
-    if head is None:
-        return None
-    body = _read_exact(fd, _LEN.unpack(head)[0])
+    body = _read_body(fd)
     return None if body is None else _unpack(pickle.loads(body), device)
+
+
+def send_object(fd: int, obj: Any) -> None:
+    """Any picklable ``obj`` down ``fd``, framed like the messages (no tensors inside)."""
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    write(fd, _LEN.pack(len(body)) + body)
+
+
+def read_object(fd: int) -> Any:
+    """The next ``send_object`` on ``fd``, or None at end of file (the other side has gone)."""
+    body = _read_body(fd)
+    return None if body is None else pickle.loads(body)
