@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from baton.common.engine.llm_engine import EngineConfig, EngineFullError, EngineStepError, LLMEngine
+from baton.common.parallel.driver import _close_pipes, _wait
 from baton.common.parallel.messages import read_object, send_object
 
 log = logging.getLogger(__name__)
@@ -381,23 +382,6 @@ class _Pools:
         self.front.engine0.pool.reset_prefix_cache()
         for r in range(1, len(self.front.workers) + 1):
             self.front._tell(r, _ResetPrefixCache())
-
-
-def _wait(p: subprocess.Popen, timeout: float) -> bool:
-    try:
-        p.wait(timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _close_pipes(p: subprocess.Popen) -> None:
-    for f in (p.stdin, p.stdout):
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 def _await_ready(workers: list[subprocess.Popen], timeout_s: float) -> None:
