@@ -272,10 +272,16 @@ class StructuredOutputs:
             return
         import xgrammar as xgr
 
-        state = _State(xgr.GrammarMatcher(self.compile(spec)))
+        state = _State(xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stops(req)))
         if not self._feed(state, req):
             raise ValueError("resumed token ids do not follow the request's structured_outputs grammar")
         self._states[req.request_id] = state
+
+    def _stops(self, req: Request) -> list[int] | None:
+        """The tokens that may end ``req``'s grammar: the engine's, and the request's own
+        ``stop_token_ids`` (vLLM's ``override_stop_tokens``); None keeps the compiled grammar's."""
+        own = req.sampling_params.stop_token_ids
+        return sorted(set(self.stop_token_ids) | set(own)) if own else None
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -237,3 +237,26 @@ def test_speculation_and_jump_forward_together_keep_greedy_structured_output(llm
         jsonschema.validate(json.loads(w.text), schema)
     assert spec.speculator.stats.num_accepted_tokens >= 4, spec.speculator.stats
     assert spec.structured.stats.forced_tokens > 0  # jump-forward took its turns too
+
+
+def test_a_requests_own_stop_token_may_end_its_grammar(llm_fp32):
+    """xgrammar ends a grammar on the engine's EOS only, unless told otherwise: a request's
+    ``stop_token_ids`` must be allowed where the grammar may end (vLLM passes them as
+    ``override_stop_tokens``), and one that is allowed ends the request there, as without a grammar.
+    After "The answer is yes" the model wants ".", which this grammar does not produce itself."""
+    tok = llm_fp32.get_tokenizer()
+    (period,) = tok.encode(".", add_special_tokens=False)
+    grammar = StructuredOutputsParams(grammar='root ::= "The answer is " ("yes" | "no")')
+    prompt = {"prompt_token_ids": _chat_ids(llm_fp32, "Is the sky blue? Answer in one sentence.")}
+    plain, own = llm_fp32.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=grammar),
+            SamplingParams(temperature=0, max_tokens=16, structured_outputs=grammar, stop_token_ids=[period]),
+        ],
+    )
+    plain, own = plain.outputs[0], own.outputs[0]
+    assert plain.text in ("The answer is yes", "The answer is no"), plain.text
+    assert plain.stop_reason is None and plain.token_ids[-1] in tok.all_special_ids  # EOS: the only way out
+    assert own.finish_reason == "stop" and own.stop_reason == period, (own.stop_reason, own.text)
+    assert own.token_ids[-1] == period and own.text.startswith(plain.text)
