@@ -127,6 +127,18 @@ def test_both_overlays_render_pools_scaled_apart(rendered):
         )
 
 
+def test_each_worker_pod_runs_its_pools_tensor_parallel_degree(rendered):
+    """One pod per worker, its ranks processes inside it: the degree is a per-pool setting, so a
+    prefill pool and a decode pool may differ (the KV is re-sharded in transfer)."""
+    for name in ("cpu", "gpu"):
+        config = _find(rendered[name], "ConfigMap", "baton-config")["data"]
+        for role, var in (("prefill", "PREFILL_TP"), ("decode", "DECODE_TP")):
+            spec = _find(rendered[name], "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
+            args = spec["containers"][0]["args"]
+            assert args[args.index("--tensor-parallel-size") + 1] == f"$({var})", (name, role)
+            assert int(config[var]) >= 1, (name, var)
+
+
 def _validate(doc: dict) -> None:
     import kubernetes_validate
 
