@@ -7,6 +7,16 @@ import os
 import pytest
 
 
+def pytest_configure(config):
+    """Under ``make test``'s two xdist workers each worker's own torch runs one thread: two workers
+    of two OpenMP threads each on two cores spin against each other. The processes tests start
+    (workers, clusters) choose their own threads as they would anywhere."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
