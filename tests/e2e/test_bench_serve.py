@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from baton.bench.serve import BenchConfig, run_benchmark
@@ -92,7 +93,11 @@ def test_w4_moves_only_the_new_turns_kv(cluster):
     assert sorted(s["input_lens"]) == [64, 64, 144, 144, 224, 224]  # history + replies + 64 new tokens
     w4 = s["w4"]
     bpt = w4["kv_bytes_per_token"]
-    assert bpt == 30 * 2 * 3 * 64 * 2  # SmolLM2 in bf16
+    # SmolLM2's 30 layers x (K, V) x 3 KV heads x 64, in the dtype `--dtype auto` chose here
+    # (the start-up GEMM probe: bf16 or fp32, whichever this CPU ran faster).
+    workers = httpx.get(f"{base}/workers", timeout=10).json()["workers"]
+    (dtype,) = {w["settings"]["dtype"] for w in workers}
+    assert bpt == 30 * 2 * 3 * 64 * {"bfloat16": 2, "float32": 4}[dtype], dtype
     # Each turn's 64 new tokens are 4 whole blocks, and the decode worker caches the whole history
     # (its final block included: 64 + 16 tokens end on a block boundary), so exactly the delta moves.
     for turn in ("1", "2", "3"):
