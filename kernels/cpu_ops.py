@@ -297,8 +297,9 @@ def rope_and_cache(
 
 
 def int8_quantize_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Dynamic per-row symmetric int8 of x [M, K] (bf16/fp32, contiguous) into codes [M, K] int8
-    and scales [M] fp32, in one pass: identical to ``quant.quantize_rows_int8``."""
+    """Dynamic per-row symmetric int8 of x [M, K] (bf16/fp32, contiguous) into codes [M, K] and
+    scales [M] fp32, in one pass: identical to ``quant.quantize_rows_int8``. int8 codes as they
+    are; uint8 codes hold them + 128 (zero point 128, what oneDNN's VNNI GEMM takes)."""
     _ops().int8_quantize_rows(x, codes, scales)
 
 
@@ -307,6 +308,12 @@ def int8_scale_output(
 ) -> None:
     """out [M, N] (bf16/fp32) = acc [M, N] int32 * row_scales [M] * col_scales [N], in one pass."""
     _ops().int8_scale_output(acc, row_scales, col_scales, out)
+
+
+def int8_scale_rows(acc: torch.Tensor, row_scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] (bf16/fp32; fp32 may be acc itself) = acc [M, N] fp32 * row_scales [M], in one
+    pass: the token scales of a W8A8 product whose channel scales oneDNN applied."""
+    _ops().int8_scale_rows(acc, row_scales, out)
 
 
 def fp8_widen(codes: torch.Tensor, out: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the layout vLLM reads).
 
 - **int8**: symmetric per-output-channel int8 weights. Rows of activations are quantized per token
-  (dynamic, symmetric; one pass, ``cpu_ops.int8_quantize_rows``) and multiplied on the CPU's
-  integer dot-product instructions (AMX-INT8 or AVX512-VNNI, oneDNN's ``qlinear_pointwise``);
+  (dynamic, symmetric; one pass, ``cpu_ops.int8_quantize_rows``, stored + 128 as uint8 with zero
+  point 128, the form oneDNN's fast kernels take) and multiplied on the CPU's integer dot-product
+  instructions (AMX-INT8 or AVX512-VNNI, oneDNN's ``qlinear_pointwise``);
   the int32 product is scaled back by the channel's scale (inside oneDNN) and the token's. Below
   ``WEIGHT_ONLY_BELOW`` rows a weight-only int8 kernel (``torch._weight_int8pack_mm``: int8
   weights, activations in the model dtype) is faster: the product is bound by reading the
@@ -44,6 +45,8 @@ WEIGHT_ONLY_BELOW = 4
 the int8 weight at ~1.5-2.5x the speed of the bf16 oneDNN GEMM, and quantizing the activations
 costs more than their product saves; from 4 rows up its time grows with the rows and W8A8 wins
 (SmolLM2's shapes, one thread of a Xeon with AMX; the LM head stays bf16: ``QUANTIZE_LM_HEAD``)."""
+ACT_ZERO_POINT = 128
+"""The W8A8 activations' zero point in oneDNN's GEMM: uint8 codes = int8 codes + 128."""
 FP8_BLOCK_ROWS = 1024
 """Output channels widened at once in the CPU fp8 path: a block of bf16 weights stays in L2."""
 
@@ -125,13 +128,14 @@ class Int8Linear(QuantLinear):
         # The weight-only kernel wants its scales in the activations' dtype.
         self.register_buffer("scale_act", self.scale.to(dtype))
         self.packed = prepack_int8(self.qweight)
+        self.register_buffer("zero_points", _zero_points(self.scale), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if x.device.type != "cpu":
             return F.linear(x, self.weight_fp32().to(x.dtype)).to(self.out_dtype)
         if x.shape[0] < self.weight_only_below:
             return weight_only_int8_mm(x, self.qweight, self.scale_act).to(self.out_dtype)
-        return w8a8_int8_mm(x, self.qweight, self.scale, self.out_dtype, self.packed)
+        return w8a8_int8_mm(x, self.qweight, self.scale, self.out_dtype, self.packed, self.zero_points)
 
 
 def prepack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
@@ -155,25 +159,34 @@ def w8a8_int8_mm(
     scale: torch.Tensor,
     out_dtype: torch.dtype,
     packed: torch.Tensor | None = None,
+    zero_points: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token int8 x [M, K] times per-channel int8 W [N, K] -> [M, N] in ``out_dtype``: the
-    int32 product scaled by the channel's scale (inside oneDNN where ``packed``) and the token's."""
+    int32 product scaled by the channel's scale (inside oneDNN where ``packed``, whose weight zero
+    points are ``zero_points``, int64 zeros of scale's shape) and the token's."""
     from baton.kernels import cpu_ops
 
     m, k = x.shape
-    xq = torch.empty((m, k), dtype=torch.int8)
     xs = torch.empty(m, dtype=torch.float32)
-    cpu_ops.int8_quantize_rows(x.contiguous(), xq, xs)
     if packed is None:
+        xq = torch.empty((m, k), dtype=torch.int8)
+        cpu_ops.int8_quantize_rows(x.contiguous(), xq, xs)
         out = torch.empty((m, qweight.shape[0]), dtype=out_dtype)
         cpu_ops.int8_scale_output(torch._int_mm(xq, qweight.t()), xs, scale, out)
         return out
+    if zero_points is None:
+        zero_points = _zero_points(scale)
+    # oneDNN's VNNI GEMM takes uint8 activations with a zero point (the symmetric codes + 128);
+    # given int8 ones it runs its scalar reference kernel (~1000x slower at 64 rows).
+    xu = torch.empty((m, k), dtype=torch.uint8)
+    cpu_ops.int8_quantize_rows(x.contiguous(), xu, xs)
     # Activation scale 1 and fp32 out: oneDNN applies the channel scales; the token's follow.
     y = torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, 0, packed, scale, _zero_points(scale), None, 1.0, 0, torch.float32, "none", [], ""
+        xu, 1.0, ACT_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     )
-    y.mul_(xs[:, None])
-    return y if out_dtype == torch.float32 else y.to(out_dtype)
+    out = y if out_dtype == torch.float32 else torch.empty(y.shape, dtype=out_dtype)
+    cpu_ops.int8_scale_rows(y, xs, out)
+    return out
 
 
 def _zero_points(scale: torch.Tensor) -> torch.Tensor:

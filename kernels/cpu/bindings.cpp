@@ -47,6 +47,7 @@ bool kv_int8_integer_kernel(int64_t group, int64_t head_dim);
 
 // int8_quant.cpp
 void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+void int8_scale_rows(const at::Tensor& acc, const at::Tensor& row_scales, const at::Tensor& out);
 void int8_scale_output(const at::Tensor& acc, const at::Tensor& row_scales,
                        const at::Tensor& col_scales, const at::Tensor& out);
 void fp8_widen(const at::Tensor& codes, const at::Tensor& out);
@@ -88,6 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_quantize_rows", &int8_quantize_rows,
         "Dynamic per-row symmetric int8: codes = round(x / scale), scale = amax(|x|) / 127",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_scale_rows", &int8_scale_rows, "out = acc * row_scales[:, None] (fp32 acc to bf16/fp32)",
+        py::arg("acc"), py::arg("row_scales"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_scale_output", &int8_scale_output,
         "out = acc * row_scales[:, None] * col_scales (an int32 product back to bf16/fp32)",
         py::arg("acc"), py::arg("row_scales"), py::arg("col_scales"), py::arg("out"),

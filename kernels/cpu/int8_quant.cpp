@@ -1,8 +1,12 @@
 // Quantized-weight helpers for the CPU GEMM path (baton.common.model.quant): the passes around
 // an int8 or fp8 product that torch would run as several elementwise ops, each one pass here.
 //
-// int8_quantize_rows: dynamic per-token symmetric int8 of activations (the W8A8 input).
+// int8_quantize_rows: dynamic per-token symmetric int8 of activations (the W8A8 input), as int8
+//   codes or as uint8 codes + 128 (zero point 128: the form oneDNN's VNNI int8 GEMM takes; with
+//   int8 activations it falls back to its scalar reference kernel, ~1000x slower).
 // int8_scale_output: the int32 product times the token's and the channel's scale (its output).
+// int8_scale_rows: oneDNN's fp32 product (channel scales applied) times the token's scale, cast to
+//   the output dtype: one pass where torch would run a multiply and a copy.
 // fp8_widen: e4m3 codes to bf16/fp32 through a 256-entry table (torch converts element by element).
 
 #include <ATen/Parallel.h>
@@ -28,8 +32,9 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// flip = 0x80 stores code + 128 as uint8 (the sign bit flipped), flip = 0 the int8 code.
 template <typename T>
-void quantize_row_avx512(const T* row, int8_t* out, float* scale_out, int64_t k) {
+void quantize_row_avx512(const T* row, int8_t* out, float* scale_out, int64_t k, int8_t flip) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   __m512 vmax = _mm512_setzero_ps();
   int64_t j = 0;
@@ -40,26 +45,28 @@ void quantize_row_avx512(const T* row, int8_t* out, float* scale_out, int64_t k)
   const float inv = 1.f / scale;
   *scale_out = scale;
   const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  const __m128i vflip = _mm_set1_epi8(flip);
   for (j = 0; j + 16 <= k; j += 16) {
     __m512 q = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(load16(row + j), vinv)));
     // cvtps rounds half to even (the default MXCSR mode), as torch.round does.
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+    __m128i c = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm_xor_si128(c, vflip));
   }
   for (; j < k; ++j) {
     float q = std::min(127.f, std::max(-127.f, static_cast<float>(row[j]) * inv));
-    out[j] = static_cast<int8_t>(std::nearbyint(q));
+    out[j] = static_cast<int8_t>(static_cast<int8_t>(std::nearbyint(q)) ^ flip);
   }
 }
 #endif
 
 template <typename T>
-void quantize_rows(const T* x, int8_t* codes, float* scales, int64_t m, int64_t k) {
+void quantize_rows(const T* x, int8_t* codes, float* scales, int64_t m, int64_t k, int8_t flip) {
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = x + i * k;
       int8_t* out = codes + i * k;
 #ifdef __AVX512F__
-      quantize_row_avx512(row, out, scales + i, k);
+      quantize_row_avx512(row, out, scales + i, k, flip);
 #else
       float amax = 0.f;
       for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(static_cast<float>(row[j])));
@@ -69,7 +76,7 @@ void quantize_rows(const T* x, int8_t* codes, float* scales, int64_t m, int64_t 
       scales[i] = scale;
       for (int64_t j = 0; j < k; ++j) {
         float q = std::min(127.f, std::max(-127.f, static_cast<float>(row[j]) * inv));
-        out[j] = static_cast<int8_t>(std::nearbyint(q));
+        out[j] = static_cast<int8_t>(static_cast<int8_t>(std::nearbyint(q)) ^ flip);
       }
 #endif
     }
@@ -85,6 +92,18 @@ void scale_output(const int32_t* acc, const float* rs, const float* cs, T* out, 
         // (acc * r) * c, in that order, as the torch reference rounds.
         out[i * n + j] = static_cast<T>(static_cast<float>(acc[i * n + j]) * r * cs[j]);
       }
+    }
+  });
+}
+
+template <typename T>
+void scale_rows(const float* acc, const float* rs, T* out, int64_t m, int64_t n) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float r = rs[i];
+      const float* a = acc + i * n;
+      T* o = out + i * n;
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(a[j] * r);
     }
   });
 }
@@ -111,15 +130,19 @@ void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::
   check_2d(x, "x");
   check_2d(codes, "codes");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kChar && codes.size(0) == m && codes.size(1) == k,
-                    "codes must be int8 of x's shape");
+  TORCH_CHECK_VALUE((codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte) &&
+                        codes.size(0) == m && codes.size(1) == k,
+                    "codes must be int8 or uint8 of x's shape");
+  // uint8 codes are the int8 ones + 128: flipping the sign bit of a two's-complement byte adds 128.
+  const int8_t flip = codes.scalar_type() == at::kByte ? static_cast<int8_t>(0x80) : 0;
+  auto* out = static_cast<int8_t*>(codes.data_ptr());
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == m,
                     "scales must be fp32 with one per row");
   if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<at::BFloat16>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(), m, k);
+    quantize_rows(x.data_ptr<at::BFloat16>(), out, scales.data_ptr<float>(), m, k, flip);
   } else {
     TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
-    quantize_rows(x.data_ptr<float>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(), m, k);
+    quantize_rows(x.data_ptr<float>(), out, scales.data_ptr<float>(), m, k, flip);
   }
 }
 
@@ -144,6 +167,26 @@ void int8_scale_output(const at::Tensor& acc, const at::Tensor& row_scales,
   } else {
     TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat, "out must be bf16 or fp32");
     scale_output(a, rs, cs, out.data_ptr<float>(), m, n);
+  }
+}
+
+void int8_scale_rows(const at::Tensor& acc, const at::Tensor& row_scales, const at::Tensor& out) {
+  check_2d(acc, "acc");
+  check_2d(out, "out");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  TORCH_CHECK_VALUE(acc.scalar_type() == at::kFloat, "acc must be fp32");
+  TORCH_CHECK_VALUE(out.size(0) == m && out.size(1) == n, "out must have acc's shape");
+  TORCH_CHECK_VALUE(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() &&
+                        row_scales.numel() == m,
+                    "row_scales must be fp32 with one per row");
+  const float* a = acc.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
+  if (out.scalar_type() == at::kBFloat16) {
+    scale_rows(a, rs, out.data_ptr<at::BFloat16>(), m, n);
+  } else {
+    // fp32 out may be acc itself (in place): each element is read once, then written.
+    TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat, "out must be bf16 or fp32");
+    scale_rows(a, rs, out.data_ptr<float>(), m, n);
   }
 }
 
