@@ -7,6 +7,13 @@ and on W2-shaped random prompts (where it cannot help, and must not cost).
 One model is loaded and shared by the two engines; runs alternate off/on so that a busy
 neighbour slows both alike. Per prompt: (time of the whole reply - time of a 1-token reply) /
 (reply tokens - 1), with the prompt already in the prefix cache (as ``baton bench latency``).
+
+``--batch N`` adds W1's case, where a step is compute-bound and speculation cannot help (and must
+cost at most 3%): N random prompts submitted at once, ``--input-len`` / ``--output-len``, greedy,
+EOS ignored, one seed per pair of runs (``--batch-seeds``), the two engines' order alternating.
+
+    .venv/bin/python -m baton.bench.spec --batch 64 --input-len 128 --output-len 128 \
+        --num-random 0 --num-grounded 0 --batch-seeds 2,3,4,5,6,7
 """
 
 from __future__ import annotations
@@ -73,6 +80,54 @@ def ms_per_token(engine, ids: list[int], max_tokens: int, ignore_eos: bool) -> t
     return (tn - t1) / max(len(tokens) - 1, 1) * 1e3, tokens
 
 
+def _generate_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    from baton.common.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"batch-{i}", ids, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].finish_reason == "error":
+                raise RuntimeError(f"the engine failed the request: {out.outputs[0].error}")
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return time.perf_counter() - t, [tokens[f"batch-{i}"] for i in range(len(prompts))]
+
+
+def run_batch(base, spec, args: argparse.Namespace) -> dict:
+    """W1's batch, off and on in turn per seed: seconds each, and on / off per seed."""
+    off, on, identical = [], [], []
+    verified_before = spec.speculator.stats.num_drafts
+    for i, seed in enumerate(int(x) for x in args.batch_seeds.split(",")):
+        prompts = make_prompts(args.batch, args.input_len, seed)
+        order = [(base, off), (spec, on)] if i % 2 == 0 else [(spec, on), (base, off)]
+        outputs = []
+        for engine, times in order:
+            seconds, tokens = _generate_batch(engine, prompts, args.output_len)
+            times.append(seconds)
+            outputs.append(tokens)
+        same = sum(a == b for a, b in zip(*outputs))
+        identical.append(same)
+        # In bf16 a row's logits depend on how many rows its GEMM had (oneDNN's blocking), and a
+        # verify step has more: near-ties may flip. In fp32 the tokens must be the same.
+        if same < len(prompts) and base.config.dtype == "float32":
+            raise AssertionError(f"batch seed {seed}: greedy output differs with speculation")
+        print(f"batch seed {seed}: off {off[-1]:.2f} s, on {on[-1]:.2f} s", file=sys.stderr, flush=True)
+    ratios = [b / a for a, b in zip(off, on)]
+    return {
+        "requests": args.batch,
+        "off_s": off,
+        "on_s": on,
+        "on_over_off": ratios,
+        "mean_on_over_off": statistics.mean(ratios),
+        "median_on_over_off": statistics.median(ratios),
+        "verified_requests": spec.speculator.stats.num_drafts - verified_before,
+        "identical_outputs": identical,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 
@@ -96,6 +151,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     result: dict = {"speculative": args.speculative, "k": args.num_speculative_tokens, "workloads": {}}
     for name, (prompts, ignore_eos) in workloads.items():
+        if not prompts:
+            continue
         off, on = [], []
         steps_before, drafted = spec.num_steps_total, spec.speculator.stats.num_draft_tokens
         accepted = spec.speculator.stats.num_accepted_tokens
@@ -118,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
             "acceptance_rate": (stats.num_accepted_tokens - accepted) / drafted if drafted else 0.0,
             "spec_steps": spec.num_steps_total - steps_before,
         }
+    if args.batch:
+        result["workloads"]["batch"] = run_batch(base, spec, args)
     return result
 
 
@@ -136,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-grounded", type=int, default=len(TEXTS) * len(TASKS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch", type=int, default=0, help="W1's case: this many prompts at once (0: skip)")
+    p.add_argument("--batch-seeds", default="2,3,4,5", help="one off/on pair of batch runs per seed")
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     result = run(a)

@@ -589,6 +589,7 @@ class LLMEngine:
         if refused:
             outputs += self._fail_requests(refused, "an output token does not follow the request's grammar")
         if spec is not None:
+            spec.finish_step(time.perf_counter() - start)
             spec.propose(self.scheduler.running, self.config.max_num_batched_tokens, gens)
         self.num_steps_total += 1
         self.step_seconds_total += time.perf_counter() - start

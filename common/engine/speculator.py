@@ -148,6 +148,10 @@ class Speculator:
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.draft_probs: dict[str, torch.Tensor] = {}
         """The draft model's distributions at each pending request's proposals (sampled ones)."""
+        self._guard_sample: tuple[int, bool, int] | None = None
+        """(decodes, verified, tokens) of a decode-only step, for the guard once the step ends."""
+        self._propose_seconds = 0.0
+        """What the last ``propose`` took: part of the cost of the step it prepared."""
 
     def observe_step(self, sched: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
         """Feed the cost model the step's time and count what its verifications accepted."""
@@ -163,16 +167,38 @@ class Speculator:
             self.controller.observe_acceptance(r.num_spec, accepted)
         if not verified:
             self.controller.idle()
+        self._guard_sample = None
         if sched.requests and all(r.sample and r.num_tokens - r.num_spec == 1 for r in sched.requests):
             tokens = sum(len(t) if isinstance(t, tuple) else 1 for t in result.sampled.values())
-            self.controller.guard.observe(len(sched.requests), verified, tokens, seconds)
+            self._guard_sample = (len(sched.requests), verified, tokens)
         self.draft_probs = {}
+
+    def finish_step(self, step_seconds: float) -> None:
+        """The step's wall time (without the proposing that ends it, for the next step): the
+        throughput guard gets it plus the proposing that prepared this step, so that a verifying
+        step pays for its n-gram search, its longer sampling and its rollback, not only for its
+        forward pass (which alone made verifying look cheaper than it was)."""
+        if self._guard_sample is not None:
+            num_decodes, verified, tokens = self._guard_sample
+            seconds = step_seconds + (self._propose_seconds if verified else 0.0)
+            self.controller.guard.observe(num_decodes, verified, tokens, seconds)
+        self._guard_sample = None
+        self._propose_seconds = 0.0
 
     def propose(
         self, running: Sequence[Request], budget: int, generators: Mapping[str, torch.Generator]
     ) -> None:
         """Set ``spec_token_ids`` on the running requests that decode next step, as many as the
         controller finds worth it (``budget``: the step's token budget)."""
+        start = time.perf_counter()
+        try:
+            self._propose(running, budget, generators)
+        finally:
+            self._propose_seconds = time.perf_counter() - start
+
+    def _propose(
+        self, running: Sequence[Request], budget: int, generators: Mapping[str, torch.Generator]
+    ) -> None:
         decodes = [
             r
             for r in running

@@ -182,5 +182,20 @@ def test_w8a8_gemm_runs_a_vector_kernel_not_onednns_reference():
     assert all("src:u8" in line for line in matmuls), "\n".join(matmuls)
 
 
+def test_gemm_bench_times_every_kernel_at_every_row_count(tmp_path):
+    import json
+
+    from baton.bench import gemm
+
+    out = tmp_path / "gemm.json"
+    assert gemm.main(["--rows", "1,8", "--num-layers", "2", "--repeats", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms_per_pass"]) == {"1", "8"}
+    for row in result["ms_per_pass"].values():
+        assert set(row) == set(gemm.KERNELS) and all(ms > 0 for ms in row.values())
+    with pytest.raises(SystemExit):
+        gemm.main(["--kernels", "int4"])
+
+
 if __name__ == "__main__":
     run_triton_cases()

@@ -388,3 +388,51 @@ def test_the_lm_head_runs_at_the_step_shapes_row_counts_only(target, tok, monkey
     _run(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert engine.speculator.stats.num_drafts > 0
     assert seen <= set(token_buckets(512)) and max(seen) > 64, sorted(seen)
+
+
+def test_spec_bench_batch_mode_runs_each_seed_off_and_on_with_the_same_tokens(tmp_path):
+    """W1's case of ``baton.bench.spec`` (``--batch``): one off/on pair per seed on the real model,
+    the greedy tokens compared inside the bench (it raises where they differ)."""
+    import json
+
+    from baton.bench import spec
+
+    out = tmp_path / "spec.json"
+    argv = ["--dtype", "float32", "--batch", "3", "--input-len", "24", "--output-len", "12"]
+    argv += ["--num-random", "0", "--num-grounded", "0", "--batch-seeds", "1,2", "--output-json", str(out)]
+    assert spec.main(argv) == 0
+    batch = json.loads(out.read_text())["workloads"]["batch"]
+    assert batch["requests"] == 3 and len(batch["off_s"]) == len(batch["on_s"]) == 2
+    assert batch["on_over_off"] == [on / off for off, on in zip(batch["off_s"], batch["on_s"])]
+    assert set(json.loads(out.read_text())["workloads"]) == {"batch"}
+
+
+def test_the_throughput_guard_charges_a_verifying_step_its_proposing(target, tok, monkeypatch):
+    """The guard compares tokens per second of whole steps: a verifying step's rate includes the
+    n-gram search that prepared it (measured in ``propose``), not the forward pass alone, so an
+    expensive proposer counts against speculation."""
+    import time
+
+    eng = _engine(target, tok, **{**NGRAM, "adaptive_speculation": True})
+    spec = eng.speculator
+    seen: list[tuple[bool, float]] = []
+    monkeypatch.setattr(
+        spec.controller.guard,
+        "observe",
+        lambda n, verified, tokens, seconds: seen.append((verified, seconds)),
+    )
+    slow = 0.05
+    inner = spec._propose
+
+    def slow_propose(*args):
+        time.sleep(slow)  # a proposer that costs 50 ms a step
+        return inner(*args)
+
+    monkeypatch.setattr(spec, "_propose", slow_propose)
+    _run(eng, _workload(3, n=4), SamplingParams(temperature=0, max_tokens=24))
+    verified = [s for v, s in seen if v]
+    plain = [s for v, s in seen if not v]
+    assert verified, f"no verifying decode step was observed: {seen}"
+    # Every verifying step carries the 50 ms its proposals took; a plain one does not.
+    assert min(verified) >= slow, verified
+    assert plain and min(plain) < slow, plain
