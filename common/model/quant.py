@@ -121,6 +121,7 @@ class Int8Linear(QuantLinear):
     ``weight_only_below`` rows up; below, weight-only int8 (activations stay in the model dtype)."""
 
     scale_act: torch.Tensor
+    zero_points: torch.Tensor
 
     def __init__(self, qweight, scale, dtype, out_dtype, weight_only_below: int = WEIGHT_ONLY_BELOW):
         super().__init__(qweight, scale, dtype, out_dtype)
