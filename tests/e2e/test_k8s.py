@@ -34,6 +34,11 @@ CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "Sc
 """Custom resources: no schema ships with kubernetes-validate, so they are skipped by name."""
 ROLES = ("prefill", "decode", "gateway")
 POD_IP = "127.0.0.1"
+# Serial: beside another module's cluster on the same two cores, the one chat completion of
+# test_a_chat_completion_crosses_the_rendered_deployments was once prefilled on its decode worker
+# (a fault costs latency: the decode pool computes a prompt it cannot hand off), so no KV crossed.
+pytestmark = pytest.mark.serial
+
 TEST_CONFIG = {"DTYPE": "float32", "KV_CACHE_GIB": "0.3", "MAX_MODEL_LEN": "2048", "DRAIN_TIMEOUT": "0.2"}
 """What the test's own overlay changes, as an operator's would: a small KV cache for this machine,
 and a drain so short that an open stream outlives it and has to move, however fast the machine."""

@@ -206,8 +206,8 @@ def test_micro_batched_steps_equal_the_whole_batch_and_the_stages_overlap(smollm
             assert _overlaps(busy[0], busy[last]) == (parts > 1), busy
     finally:
         model.num_micro_batches = 2
-    _assert_same_top(results[2], results[1], atol=1e-5)
-    _assert_same_top(results[4], results[1], atol=1e-5)
+    _assert_same_top(results[2], results[1], atol=1e-4)
+    _assert_same_top(results[4], results[1], atol=1e-4)
 
 
 def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_it(capsys):
