@@ -167,6 +167,15 @@ lin(torch.randn(64, 160).bfloat16())
 """
 
 
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "vnni" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="oneDNN's int8 vector kernels need AVX512-VNNI/AVX-VNNI")
 def test_w8a8_gemm_runs_a_vector_kernel_not_onednns_reference():
     """oneDNN multiplies int8 activations in its scalar reference kernel (`ref_int8`, ~1000x
     slower than its VNNI one at 64 rows: 813 ms for SmolLM2's qkv on an AMD EPYC); only uint8
