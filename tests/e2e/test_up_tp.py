@@ -15,7 +15,9 @@ import pytest
 from baton.common.llm import SamplingParams
 from tests.e2e.up_process import start_up, stop_up
 
-pytestmark = pytest.mark.slow
+# Serial: its four worker processes (a TP pair and one rank on each side) each hold the model; beside
+# another module's cluster the parallel phase peaks at the most memory of the suite.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 BLOCK = 16  # baton up's default block size
 
