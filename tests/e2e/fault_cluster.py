@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.common.index.server import free_port
+from tests.procs import die_with_parent
 
 T = TypeVar("T")
 ENGINE_FLAGS = dict(dtype="float32", kv_cache_gib=0.02, max_num_batched_tokens=64, max_model_len=4096)
@@ -106,7 +107,12 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [*args, *extra], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                [*args, *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     @property

@@ -41,6 +41,7 @@ from baton.services.worker_base import serve_worker
 from tests.e2e.fault_cluster import wait_for as _poll
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.e2e.up_process import start_up, stop_up
+from tests.procs import die_with_parent
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -213,7 +214,13 @@ def _start_decode(model: str, redis_url: str, worker_id: str, drain_s: float, lo
         str(drain_s),
     ]
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ONE_THREAD},
+            preexec_fn=die_with_parent,
+        )
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from baton.common.index.server import free_port
+from tests.procs import die_with_parent
 
 
 def start_up(args: list[str], logs: Path, timeout: float = 300.0) -> tuple[int, subprocess.Popen]:
@@ -36,6 +37,7 @@ def start_up(args: list[str], logs: Path, timeout: float = 300.0) -> tuple[int, 
         text=True,
         env=env,
         start_new_session=True,  # its own process group: we can check that nothing outlives it
+        preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + timeout
     lines = []
