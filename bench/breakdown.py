@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from baton.bench import proc_stats
+from baton.common.launch import python_module
 
 MODEL_HEADER = {"content-type": "application/json"}
 
@@ -89,7 +90,7 @@ def _free_port() -> int:
 def start_cluster(up_args: tuple[str, ...], logs: Path, timeout_s: float) -> tuple[subprocess.Popen, int]:
     """``baton up`` on a free port in its own process group; returns once it says it is ready."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port), "--log-dir", str(logs)]
+    cmd = [*python_module("baton.services.cli"), "up", "--port", str(port), "--log-dir", str(logs)]
     proc = subprocess.Popen(
         [*cmd, *up_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

@@ -9,11 +9,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from baton.common.launch import python_module
 
 log = logging.getLogger(__name__)
 
@@ -276,4 +277,4 @@ def pin_to_cpus(cpus: Sequence[int], torch_threads: bool = True) -> None:
 
 def baton_command() -> list[str]:
     """How to start another ``baton`` subcommand with this interpreter."""
-    return [sys.executable, "-m", "baton.services.cli"]
+    return python_module("baton.services.cli")

@@ -3,8 +3,32 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+
+def _checkout_root_after_site_packages() -> None:
+    """The checkout's top-level folders are the ``baton.*`` packages (``kernels/`` is
+    ``baton.kernels``). With the checkout's root first on ``sys.path``, as ``python -m pytest``,
+    pytest's rootdir and xdist's workers put it, ``import kernels`` finds that folder instead of
+    Hugging Face's ``kernels`` package, which transformers >= 5.25 requires and imports whenever it
+    loads a model (the reference tests' ``ImportError: cannot import name 'CUDAProperties' from
+    'kernels'``). The root stays on the path, for ``tests.*``, behind site-packages."""
+    root = str(Path(__file__).resolve().parents[1])
+    mine = [p for p in sys.path if os.path.abspath(p or os.curdir) == root]
+    if mine:
+        sys.path[:] = [p for p in sys.path if p not in mine] + [root]
+    shadow = sys.modules.get("kernels")
+    if shadow is not None and os.path.dirname(os.path.dirname(shadow.__file__ or "")) == root:
+        del sys.modules["kernels"]
+
+
+_checkout_root_after_site_packages()
+# And in the processes the tests start (``python -c`` scripts, run from the checkout): the current
+# directory stays off their path, as ``baton.common.launch`` keeps it off Baton's own.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def pytest_configure(config):

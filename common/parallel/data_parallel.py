@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from baton.common.engine.llm_engine import EngineConfig, EngineFullError, EngineStepError, LLMEngine
+from baton.common.launch import python_module
 from baton.common.parallel.driver import _close_pipes, _wait
 from baton.common.parallel.messages import read_object, send_object
 
@@ -451,7 +452,7 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
     try:
         for spec in specs[1:]:
             # stdin: commands; stdout: replies; stderr: the caller's, so a replica's error shows.
-            cmd = [sys.executable, "-m", "baton.common.parallel.data_parallel", spec.to_json()]
+            cmd = [*python_module("baton.common.parallel.data_parallel"), spec.to_json()]
             workers.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         torch.set_num_threads(len(shares[0]))
         local, expert_group = _build(specs[0], progress)

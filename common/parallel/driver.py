@@ -16,7 +16,6 @@ import atexit
 import os
 import select
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from baton.common.index.server import free_port
+from baton.common.launch import python_module
 from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits, plan_shard
 from baton.common.parallel import messages
 from baton.common.parallel.group import GroupConfig, RankGroup
@@ -229,7 +229,7 @@ def _build_kernels(device: str) -> None:
 def _spawn(spec, module: str = "baton.common.parallel.worker") -> subprocess.Popen:
     # stdin: commands; stdout: the ready line; stderr: the caller's, so a rank's error shows.
     return subprocess.Popen(
-        [sys.executable, "-m", module, spec.to_json()],
+        [*python_module(module), spec.to_json()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
