@@ -296,11 +296,12 @@ def rope_and_cache(
     )
 
 
-def int8_quantize_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Dynamic per-row symmetric int8 of x [M, K] (bf16/fp32, contiguous) into codes [M, K] and
-    scales [M] fp32, in one pass: identical to ``quant.quantize_rows_int8``. int8 codes as they
-    are; uint8 codes hold them + 128 (zero point 128, what oneDNN's VNNI GEMM takes)."""
-    _ops().int8_quantize_rows(x, codes, scales)
+def int8_quantize_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qmax: int = 127) -> None:
+    """Dynamic per-row symmetric quantization of x [M, K] (bf16/fp32, contiguous) into codes [M, K]
+    in [-qmax, qmax] and scales [M] fp32 (amax / qmax), in one pass: identical to
+    ``quant.quantize_rows_int8``. int8 codes as they are; uint8 codes hold them + qmax + 1 (zero
+    point 128 at qmax 127, what oneDNN's VNNI GEMM takes)."""
+    _ops().int8_quantize_rows(x, codes, scales, qmax)
 
 
 def int8_scale_output(
@@ -320,3 +321,35 @@ def fp8_widen(codes: torch.Tensor, out: torch.Tensor) -> None:
     """out = codes (float8_e4m3fn) in out's dtype (bf16/fp32), through a 256-entry table: ~15x
     torch's element-by-element ``.to`` here."""
     _ops().fp8_widen(codes, out)
+
+
+def int8_gemm_available() -> bool:
+    """Whether ``int8_gemm``'s AVX512-VNNI kernel was compiled in (``-march=native`` on a CPU
+    with VNNI); without it the W8A8 product goes to oneDNN."""
+    return bool(_ops().int8_gemm_available())
+
+
+def int8_gemm_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight [N, K] (K a multiple of 4) in ``int8_gemm``'s layout: blocks of 16 output
+    channels, each [K / 4, 16, 4] (the 4 k-values of a channel side by side, as vpdpbusd reads
+    them; N padded to a multiple of 16 with zero channels), and each padded channel's sum of codes
+    (int32), which takes the activations' zero point back out of the product."""
+    n, k = qweight.shape
+    if k % 4:
+        raise ValueError(f"int8_gemm needs K a multiple of 4, got {k}")
+    blocks = -(-n // 16)
+    padded = torch.zeros((blocks * 16, k), dtype=torch.int8)
+    padded[:n] = qweight
+    packed = padded.view(blocks, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(blocks, k // 4, 64).contiguous()
+    return packed, padded.sum(dim=1, dtype=torch.int32)
+
+
+def int8_gemm(
+    x: torch.Tensor, packed: torch.Tensor, col_sums: torch.Tensor, col_scales: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out [M, N] (x's dtype, bf16/fp32) = the W8A8 product of x [M, K] and the weight that
+    ``int8_gemm_pack`` packed, with ``col_scales`` [N] fp32 its channel scales: the rows quantized
+    per token (symmetric, as ``int8_quantize_rows``), multiplied in int32 and scaled
+    ``(acc * row_scale) * col_scale`` as ``int8_scale_output``, so the bits equal
+    ``int8_scale_output(torch._int_mm(codes, W.T), ...)``. One call, no oneDNN."""
+    _ops().int8_gemm(x, packed, col_sums, col_scales, out)

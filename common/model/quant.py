@@ -4,7 +4,8 @@ from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the lay
 - **int8**: symmetric per-output-channel int8 weights. Rows of activations are quantized per token
   (dynamic, symmetric; one pass, ``cpu_ops.int8_quantize_rows``, stored + 128 as uint8 with zero
   point 128, the form oneDNN's fast kernels take) and multiplied on the CPU's integer dot-product
-  instructions (AMX-INT8 or AVX512-VNNI, oneDNN's ``qlinear_pointwise``);
+  instructions (AMX-INT8 or AVX512-VNNI, oneDNN's ``qlinear_pointwise``; on an x86 CPU without
+  them, 7-bit activation codes: ``act_qmax``);
   the int32 product is scaled back by the channel's scale (inside oneDNN) and the token's. Below
   ``WEIGHT_ONLY_BELOW`` rows a weight-only int8 kernel (``torch._weight_int8pack_mm``: int8
   weights, activations in the model dtype) is faster: the product is bound by reading the
@@ -45,8 +46,33 @@ WEIGHT_ONLY_BELOW = 4
 the int8 weight at ~1.5-2.5x the speed of the bf16 oneDNN GEMM, and quantizing the activations
 costs more than their product saves; from 4 rows up its time grows with the rows and W8A8 wins
 (SmolLM2's shapes, one thread of a Xeon with AMX; the LM head stays bf16: ``QUANTIZE_LM_HEAD``)."""
-ACT_ZERO_POINT = 128
-"""The W8A8 activations' zero point in oneDNN's GEMM: uint8 codes = int8 codes + 128."""
+FUSED_BELOW = 256
+"""From ``WEIGHT_ONLY_BELOW`` up to this many rows (a decode step's batch), W8A8 runs in one call
+of Baton's own VNNI kernel (``cpu_ops.int8_gemm``) where the CPU has it; from here up (prefill
+chunks) in oneDNN's, whose blocking (and AMX where the CPU has it) wins once the product is big."""
+ACT_QMAX = 127
+"""The W8A8 activations' codes lie in [-ACT_QMAX, ACT_QMAX]; oneDNN gets them + ACT_QMAX + 1 as
+uint8 (zero point 128)."""
+ACT_QMAX_NO_VNNI = 63
+"""The same on an x86 CPU without VNNI or AMX-INT8: oneDNN multiplies uint8 by int8 there with
+vpmaddubsw, which adds pairs of products into int16 and saturates past 32,767 (255 x 127 x 2 is
+64,770): 7-bit codes + 64 keep every pair sum exact (127 x 127 x 2 = 32,258). Measured on a
+2-core AMD EPYC with AVX2 only: 8-bit codes gave a relative error of ~0.02 against the exact
+integer product; 7-bit ones match it, at ~0.015 against fp32 (8-bit with VNNI: ~0.008)."""
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+"""x86 flags of instructions that add uint8 x int8 products into int32 without saturating."""
+
+
+def exact_u8s8_products() -> bool:
+    """Whether oneDNN's uint8 x int8 GEMM is exact for 8-bit codes on this CPU: anything but an
+    x86 CPU without ``INT8_DOT_FLAGS`` (unreadable flags count as able)."""
+    from baton.common.model.gemm_probe import cpu_flags
+
+    flags = cpu_flags()
+    x86 = "sse2" in flags
+    return not x86 or bool(flags & set(INT8_DOT_FLAGS))
+
+
 FP8_BLOCK_ROWS = 1024
 """Output channels widened at once in the CPU fp8 path: a block of bf16 weights stays in L2."""
 
@@ -82,11 +108,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token int8 of activations [M, K] -> codes [M, K] and fp32 scales [M, 1]."""
+def quantize_rows_int8(x: torch.Tensor, qmax: int = ACT_QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 of activations [M, K] -> codes [M, K] in [-qmax, qmax] and fp32
+    scales [M, 1]."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).div_(INT8_MAX).clamp_(min=1e-12)
-    return torch.round(xf * scale.reciprocal()).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    scale = xf.abs().amax(dim=1, keepdim=True).div_(qmax).clamp_(min=1e-12)
+    return torch.round(xf * scale.reciprocal()).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
 # -- quantized projections ----------------------------------------------------------------------
@@ -117,26 +144,75 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """W8A8 int8 (dynamic per-token activations, oneDNN's s8 x s8 GEMM on AMX-INT8/VNNI) from
-    ``weight_only_below`` rows up; below, weight-only int8 (activations stay in the model dtype)."""
+    """W8A8 int8 (dynamic per-token activations, oneDNN's u8 x s8 GEMM on AMX-INT8/VNNI) from
+    ``weight_only_below`` rows up; below, weight-only int8 (activations stay in the model dtype).
+
+    ``None`` for ``weight_only_below`` and ``act_qmax`` means this CPU's: ``WEIGHT_ONLY_BELOW`` and
+    ``ACT_QMAX`` where its integer products are exact (``exact_u8s8_products``); elsewhere W8A8 at
+    every row count (torch's weight-only kernel has no fast path there: 5-30x slower than oneDNN's
+    int8 GEMM on an AVX2 EPYC) with ``ACT_QMAX_NO_VNNI``."""
 
     scale_act: torch.Tensor
     zero_points: torch.Tensor
 
-    def __init__(self, qweight, scale, dtype, out_dtype, weight_only_below: int = WEIGHT_ONLY_BELOW):
+    def __init__(
+        self,
+        qweight,
+        scale,
+        dtype,
+        out_dtype,
+        weight_only_below: int | None = None,
+        fused_below: int = FUSED_BELOW,
+        act_qmax: int | None = None,
+    ):
         super().__init__(qweight, scale, dtype, out_dtype)
+        exact = exact_u8s8_products() if weight_only_below is None or act_qmax is None else True
+        if weight_only_below is None:
+            weight_only_below = WEIGHT_ONLY_BELOW if exact else 0
         self.weight_only_below = weight_only_below
+        self.act_qmax = act_qmax if act_qmax is not None else (ACT_QMAX if exact else ACT_QMAX_NO_VNNI)
         # The weight-only kernel wants its scales in the activations' dtype.
         self.register_buffer("scale_act", self.scale.to(dtype))
         self.packed = prepack_int8(self.qweight)
         self.register_buffer("zero_points", _zero_points(self.scale), persistent=False)
+        # The fused kernel runs 8-bit codes on VNNI: only where they are exact.
+        fuse = fused_below > weight_only_below and self.act_qmax == ACT_QMAX
+        self.fused = pack_fused_int8(self.qweight) if fuse else None
+        self.fused_below = fused_below if self.fused is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if x.device.type != "cpu":
             return F.linear(x, self.weight_fp32().to(x.dtype)).to(self.out_dtype)
-        if x.shape[0] < self.weight_only_below:
+        m = x.shape[0]
+        if m < self.weight_only_below:
             return weight_only_int8_mm(x, self.qweight, self.scale_act).to(self.out_dtype)
-        return w8a8_int8_mm(x, self.qweight, self.scale, self.out_dtype, self.packed, self.zero_points)
+        if self.fused is not None and m < self.fused_below:
+            return fused_int8_mm(x, self.fused, self.scale, self.out_dtype)
+        return w8a8_int8_mm(
+            x, self.qweight, self.scale, self.out_dtype, self.packed, self.zero_points, self.act_qmax
+        )
+
+
+def pack_fused_int8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weight in ``cpu_ops.int8_gemm``'s layout and its column sums, or None where that kernel
+    cannot run it (no AVX512-VNNI, not on the CPU, K not a multiple of 4)."""
+    from baton.kernels import cpu_ops
+
+    if qweight.device.type != "cpu" or qweight.shape[1] % 4 or not cpu_ops.int8_gemm_available():
+        return None
+    return cpu_ops.int8_gemm_pack(qweight)
+
+
+def fused_int8_mm(
+    x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The W8A8 product in one call of ``cpu_ops.int8_gemm`` (quantize, VNNI product, scales)."""
+    from baton.kernels import cpu_ops
+
+    packed, sums = fused
+    out = torch.empty((x.shape[0], scale.shape[0]), dtype=x.dtype)
+    cpu_ops.int8_gemm(x.contiguous(), packed, sums, scale, out)
+    return out if out_dtype == x.dtype else out.to(out_dtype)
 
 
 def prepack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
@@ -161,17 +237,19 @@ def w8a8_int8_mm(
     out_dtype: torch.dtype,
     packed: torch.Tensor | None = None,
     zero_points: torch.Tensor | None = None,
+    act_qmax: int = ACT_QMAX,
 ) -> torch.Tensor:
-    """Per-token int8 x [M, K] times per-channel int8 W [N, K] -> [M, N] in ``out_dtype``: the
-    int32 product scaled by the channel's scale (inside oneDNN where ``packed``, whose weight zero
-    points are ``zero_points``, int64 zeros of scale's shape) and the token's."""
+    """Per-token int8 x [M, K] (codes in [-act_qmax, act_qmax]) times per-channel int8 W [N, K] ->
+    [M, N] in ``out_dtype``: the int32 product scaled by the channel's scale (inside oneDNN where
+    ``packed``, whose weight zero points are ``zero_points``, int64 zeros of scale's shape) and the
+    token's."""
     from baton.kernels import cpu_ops
 
     m, k = x.shape
     xs = torch.empty(m, dtype=torch.float32)
     if packed is None:
         xq = torch.empty((m, k), dtype=torch.int8)
-        cpu_ops.int8_quantize_rows(x.contiguous(), xq, xs)
+        cpu_ops.int8_quantize_rows(x.contiguous(), xq, xs, act_qmax)
         out = torch.empty((m, qweight.shape[0]), dtype=out_dtype)
         cpu_ops.int8_scale_output(torch._int_mm(xq, qweight.t()), xs, scale, out)
         return out
@@ -180,10 +258,10 @@ def w8a8_int8_mm(
     # oneDNN's VNNI GEMM takes uint8 activations with a zero point (the symmetric codes + 128);
     # given int8 ones it runs its scalar reference kernel (~1000x slower at 64 rows).
     xu = torch.empty((m, k), dtype=torch.uint8)
-    cpu_ops.int8_quantize_rows(x.contiguous(), xu, xs)
+    cpu_ops.int8_quantize_rows(x.contiguous(), xu, xs, act_qmax)
     # Activation scale 1 and fp32 out: oneDNN applies the channel scales; the token's follow.
     y = torch.ops.onednn.qlinear_pointwise(
-        xu, 1.0, ACT_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        xu, 1.0, act_qmax + 1, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     )
     out = y if out_dtype == torch.float32 else torch.empty(y.shape, dtype=out_dtype)
     cpu_ops.int8_scale_rows(y, xs, out)

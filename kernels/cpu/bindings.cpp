@@ -46,11 +46,14 @@ void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids);
 bool kv_int8_integer_kernel(int64_t group, int64_t head_dim);
 
 // int8_quant.cpp
-void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+void int8_quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t qmax);
 void int8_scale_rows(const at::Tensor& acc, const at::Tensor& row_scales, const at::Tensor& out);
 void int8_scale_output(const at::Tensor& acc, const at::Tensor& row_scales,
                        const at::Tensor& col_scales, const at::Tensor& out);
 void fp8_widen(const at::Tensor& codes, const at::Tensor& out);
+bool int8_gemm_available();
+void int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
+               const at::Tensor& col_scales, const at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_quant", &rope_and_cache_quant,
@@ -86,9 +89,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_starts"), py::arg("group_blocks"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
+  m.def("int8_gemm_available", &int8_gemm_available, "Whether int8_gemm's VNNI kernel was compiled in");
+  m.def("int8_gemm", &int8_gemm,
+        "W8A8 out = quant(x) @ W.T with W packed by int8_gemm_pack, both scales applied, one call",
+        py::arg("x"), py::arg("packed"), py::arg("col_sums"), py::arg("col_scales"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_quantize_rows", &int8_quantize_rows,
-        "Dynamic per-row symmetric int8: codes = round(x / scale), scale = amax(|x|) / 127",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::call_guard<py::gil_scoped_release>());
+        "Dynamic per-row symmetric int8: codes = round(x / scale), scale = amax(|x|) / qmax; uint8 codes + qmax + 1",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qmax") = 127,
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_scale_rows", &int8_scale_rows, "out = acc * row_scales[:, None] (fp32 acc to bf16/fp32)",
         py::arg("acc"), py::arg("row_scales"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_scale_output", &int8_scale_output,
