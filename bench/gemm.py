@@ -1,5 +1,6 @@
 """The model's projections per kernel and row count: bf16 (oneDNN, prepacked, as ``llama.Linear``),
-W8A8 int8 and weight-only int8 (as ``quant.Int8Linear``), fp32 for reference.
+W8A8 int8 in Baton's fused VNNI kernel and in oneDNN's, weight-only int8 (the kernels
+``quant.Int8Linear`` chooses from), fp32 for reference.
 
     .venv/bin/python -m baton.bench.gemm --rows 1,8,64,256,2048 --threads 2 --output-json gemm.json
 
@@ -42,9 +43,12 @@ def _layers(num_layers: int, kernel: str) -> list[dict]:
                 lin = lin.to(torch.bfloat16 if kernel == "bf16" else torch.float32)
                 lin.prepack()  # bf16: oneDNN's blocked copy, as the loaded model has
             else:
-                # Int8Linear takes its weight-only kernel below this many rows, W8A8 from it up.
+                # One Int8Linear kernel at every row count: weight-only, Baton's fused W8A8 or oneDNN's.
                 below = 1 << 30 if kernel == "int8-weight-only" else 0
-                lin = quant.Int8Linear(*quant.quantize_int8(w), torch.bfloat16, torch.bfloat16, below)
+                fused = 1 << 30 if kernel == "int8-fused" else 0
+                lin = quant.Int8Linear(*quant.quantize_int8(w), torch.bfloat16, torch.bfloat16, below, fused)
+                if kernel == "int8-fused" and lin.fused is None:
+                    raise SystemExit("int8-fused needs AVX512-VNNI (cpu_ops.int8_gemm_available())")
             layer[name] = (k, lin)
         layers.append(layer)
     return layers
@@ -71,20 +75,26 @@ def measure(kernel: str, rows: int, num_layers: int, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-KERNELS = ("bf16", "int8-w8a8", "int8-weight-only", "fp32")
+KERNELS = ("bf16", "int8-fused", "int8-w8a8", "int8-weight-only", "fp32")
+
+
+def available_kernels() -> list[str]:
+    from baton.kernels import cpu_ops
+
+    return [k for k in KERNELS if k != "int8-fused" or cpu_ops.int8_gemm_available()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,4,8,16,64,256,2048")
-    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--kernels", default=None, help=f"of {', '.join(KERNELS)}; default: all this CPU runs")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--num-layers", type=int, default=NUM_LAYERS)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--output-json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    kernels = a.kernels.split(",")
+    kernels = a.kernels.split(",") if a.kernels else available_kernels()
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
         p.error(f"unknown kernels {unknown}: choose from {', '.join(KERNELS)}")

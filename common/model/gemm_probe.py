@@ -34,6 +34,11 @@ if TYPE_CHECKING:  # torch is imported where GEMMs run: a cached result is read 
     import torch
 
 CANDIDATES = ("bfloat16", "float32")
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
+"""``/proc/cpuinfo`` flags of instructions that multiply bf16 (x86: AVX512-BF16, AMX-BF16,
+AVX-NE-CONVERT; Arm: BF16). Without one, oneDNN converts bf16 in scalar code: on a 2-core AMD EPYC
+with AVX2 only, a bf16 2048-cube matmul ran at ~1 GFLOP/s against fp32's ~140, and a probe taken
+beside the test suite's load once picked bf16 anyway (its decode figure is the noisiest)."""
 PREFILL_ROWS = 256
 DECODE_ROWS = 8
 DECODE_STEPS = 256
@@ -159,13 +164,28 @@ def _interleaved_ms(cases: dict, rounds: int = ROUNDS) -> dict:
     return {key: 1e3 * best[key] * cases[key][1] for key in cases}
 
 
+def measurable_dtypes() -> tuple[str, ...]:
+    """The dtypes worth timing here: bf16 only where the CPU has an instruction that multiplies
+    it (``BF16_DOT_FLAGS``), or where its flags cannot be read."""
+    flags = cpu_flags()
+    if flags and not flags & set(BF16_DOT_FLAGS):
+        return ("float32",)
+    return CANDIDATES
+
+
 def probe(
-    cfg: LlamaConfig, threads: int, decode_threads: Sequence[int] = (), candidates: Sequence[str] = CANDIDATES
+    cfg: LlamaConfig,
+    threads: int,
+    decode_threads: Sequence[int] = (),
+    candidates: Sequence[str] | None = None,
 ) -> GemmProbe:
-    """Time each candidate dtype on ``cfg``'s GEMMs on ``threads`` torch threads (the cheapest
-    W2-like request wins; a tie goes to the first candidate, bf16: half the memory), and each
-    one's decode step on each of ``decode_threads``."""
+    """Time each candidate dtype (default: ``measurable_dtypes()``) on ``cfg``'s GEMMs on ``threads``
+    torch threads (the cheapest W2-like request wins; a tie goes to the first candidate, bf16: half
+    the memory), and the winner's decode step on each of ``decode_threads``."""
     import torch
+
+    if candidates is None:
+        candidates = measurable_dtypes()
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     counts = sorted({threads, *decode_threads})
@@ -200,6 +220,14 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``), or an empty set."""
+    for line in _cpuinfo_lines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def _cpuinfo_lines() -> list[str]:

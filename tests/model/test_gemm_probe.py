@@ -19,13 +19,32 @@ TINY = LlamaConfig(
 
 
 def test_probe_picks_the_dtype_whose_request_costs_least():
-    p = gemm_probe.probe(TINY, threads=1, decode_threads=[1])
+    p = gemm_probe.probe(TINY, threads=1, decode_threads=[1], candidates=gemm_probe.CANDIDATES)
     assert set(p.request_ms) == {"bfloat16", "float32"}
     assert p.dtype == min(p.request_ms, key=p.request_ms.get)
     for d in p.request_ms:  # a request: one prefill and DECODE_STEPS decode steps
         want = p.prefill_ms[d] + gemm_probe.DECODE_STEPS * p.decode_step_ms[d]
         assert abs(p.request_ms[d] - want) < 1e-6 and p.prefill_ms[d] > 0 and p.decode_step_ms[d] > 0
     assert p.decode_step_ms_by_threads == {"1": p.decode_step_ms[p.dtype]}  # the same case, timed once
+
+
+def test_bf16_is_timed_only_where_the_cpu_multiplies_it(monkeypatch):
+    """An AVX2-only AMD EPYC (bf16 matmul ~1 GFLOP/s, fp32 ~140) is not asked to time bf16; an
+    AVX512-BF16, AMX or Arm BF16 CPU, or one whose flags cannot be read, times both."""
+    avx2 = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
+    for flags, want in [
+        (avx2, ("float32",)),
+        (avx2 | {"avx512f", "avx512_vnni"}, ("float32",)),
+        (avx2 | {"avx512f", "avx512_bf16"}, gemm_probe.CANDIDATES),
+        (avx2 | {"amx_bf16", "amx_tile"}, gemm_probe.CANDIDATES),
+        ({"fp", "asimd", "bf16"}, gemm_probe.CANDIDATES),
+        (set(), gemm_probe.CANDIDATES),
+    ]:
+        monkeypatch.setattr(gemm_probe, "cpu_flags", lambda flags=flags: flags)
+        assert gemm_probe.measurable_dtypes() == want, flags
+    monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: avx2)
+    p = gemm_probe.probe(TINY, threads=1)
+    assert p.dtype == "float32" and set(p.request_ms) == {"float32"}
 
 
 def test_projection_shapes_are_the_fused_layers():
