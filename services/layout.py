@@ -70,8 +70,11 @@ def plan(cores: Sequence[int], req: LayoutRequest, probe: Mapping | None) -> Lay
         if probe is None:
             raise ValueError("--dtype auto needs the machine's GEMM probe")
         dtype = probe["dtype"]
-        per = ", ".join(f"{d} {ms:.0f} ms" for d, ms in probe["request_ms"].items())
-        reasons.append(f"{dtype} (the GEMMs of a W2-like request: {per})")
+        if len(probe["request_ms"]) > 1:
+            per = ", ".join(f"{d} {ms:.0f} ms" for d, ms in probe["request_ms"].items())
+            reasons.append(f"{dtype} (the GEMMs of a W2-like request: {per})")
+        else:
+            reasons.append(f"{dtype} (the only dtype this CPU multiplies natively)")
     decode = req.decode or 1
     if req.colocated:
         prefill, why = 0, "colocated (--colocated)"

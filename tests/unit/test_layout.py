@@ -36,6 +36,12 @@ def test_more_cores_give_prefill_a_quarter():
     assert plan([0], LayoutRequest(dtype="float32"), None).prefill == 0  # one core: nothing to split
 
 
+def test_a_cpu_without_bf16_instructions_gets_fp32_and_says_why():
+    probe = {**FLAT, "dtype": "float32", "request_ms": {"float32": 25227.0}}
+    got = plan([0, 1], LayoutRequest(), probe)
+    assert got.dtype == "float32" and "the only dtype this CPU multiplies natively" in got.describe()
+
+
 def test_flags_win_and_need_no_probe():
     req = LayoutRequest(prefill=2, decode=1, dtype="float32", cpus="none")
     got = plan([0, 1], req, None)
