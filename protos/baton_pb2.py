@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/protos/baton.proto\x12\x08\x62\x61ton.v1\"\xbb\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0b \x01(\x08\x12\x37\n\x12structured_outputs\x18\x0c \x01(\x0b\x32\x1b.baton.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"U\n\x12TransferDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\x12\n\nextra_json\x18\x04 \x01(\t\"p\n\x0fRankDestination\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x15\n\rkv_head_start\x18\x02 \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x03 \x01(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11resume_text_chars\x18\x07 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb6\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x05\x12\x18\n\x10published_unix_s\x18\x0b \x01(\x01\x12+\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x15.baton.v1.TopLogprobs\"\x94\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x17\n\x0fnum_skip_tokens\x18\x05 \x01(\x05\x12\x15\n\rdst_block_ids\x18\x06 \x03(\x05\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x34\n\x11rank_destinations\x18\x08 \x03(\x0b\x32\x19.baton.v1.RankDestination\"\xd3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x31\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x15.baton.v1.TopLogprobs\"\x8c\x01\n\x0e\x43onnectRequest\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x11\n\tkv_layout\x18\x02 \x01(\t\x12\x34\n\x11rank_destinations\x18\x03 \x03(\x0b\x32\x19.baton.v1.RankDestination\"\x11\n\x0f\x43onnectResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\x32\x84\x01\n\x06\x44\x65\x63ode\x12@\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.GenerateChunk0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse2\xc3\x01\n\x07Prefill\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/protos/baton.proto\x12\x08\x62\x61ton.v1\"\xbb\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0b \x01(\x08\x12\x37\n\x12structured_outputs\x18\x0c \x01(\x0b\x32\x1b.baton.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"U\n\x12TransferDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\x12\n\nextra_json\x18\x04 \x01(\t\"\x98\x01\n\x0fRankDestination\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x15\n\rkv_head_start\x18\x02 \x01(\x05\x12\x13\n\x0bkv_head_end\x18\x03 \x01(\x05\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11resume_text_chars\x18\x07 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb6\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x05\x12\x18\n\x10published_unix_s\x18\x0b \x01(\x01\x12+\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x15.baton.v1.TopLogprobs\"\x94\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x17\n\x0fnum_skip_tokens\x18\x05 \x01(\x05\x12\x15\n\rdst_block_ids\x18\x06 \x03(\x05\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x34\n\x11rank_destinations\x18\x08 \x03(\x0b\x32\x19.baton.v1.RankDestination\"\xd3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x31\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x15.baton.v1.TopLogprobs\"\x8c\x01\n\x0e\x43onnectRequest\x12\x31\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x1c.baton.v1.TransferDescriptor\x12\x11\n\tkv_layout\x18\x02 \x01(\t\x12\x34\n\x11rank_destinations\x18\x03 \x03(\x0b\x32\x19.baton.v1.RankDestination\"\x11\n\x0f\x43onnectResponse\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\x32\x84\x01\n\x06\x44\x65\x63ode\x12@\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.GenerateChunk0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse2\xc3\x01\n\x07Prefill\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,28 +37,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUTS']._serialized_end=505
   _globals['_TRANSFERDESCRIPTOR']._serialized_start=507
   _globals['_TRANSFERDESCRIPTOR']._serialized_end=592
-  _globals['_RANKDESTINATION']._serialized_start=594
-  _globals['_RANKDESTINATION']._serialized_end=706
-  _globals['_GENERATEREQUEST']._serialized_start=709
-  _globals['_GENERATEREQUEST']._serialized_end=919
-  _globals['_TOPLOGPROBS']._serialized_start=921
-  _globals['_TOPLOGPROBS']._serialized_end=971
-  _globals['_GENERATECHUNK']._serialized_start=974
-  _globals['_GENERATECHUNK']._serialized_end=1284
-  _globals['_PREFILLREQUEST']._serialized_start=1287
-  _globals['_PREFILLREQUEST']._serialized_end=1563
-  _globals['_PREFILLRESPONSE']._serialized_start=1566
-  _globals['_PREFILLRESPONSE']._serialized_end=1777
-  _globals['_CONNECTREQUEST']._serialized_start=1780
-  _globals['_CONNECTREQUEST']._serialized_end=1920
-  _globals['_CONNECTRESPONSE']._serialized_start=1922
-  _globals['_CONNECTRESPONSE']._serialized_end=1939
-  _globals['_ABORTREQUEST']._serialized_start=1941
-  _globals['_ABORTREQUEST']._serialized_end=1976
-  _globals['_ABORTRESPONSE']._serialized_start=1978
-  _globals['_ABORTRESPONSE']._serialized_end=2014
-  _globals['_DECODE']._serialized_start=2017
-  _globals['_DECODE']._serialized_end=2149
-  _globals['_PREFILL']._serialized_start=2152
-  _globals['_PREFILL']._serialized_end=2347
+  _globals['_RANKDESTINATION']._serialized_start=595
+  _globals['_RANKDESTINATION']._serialized_end=747
+  _globals['_GENERATEREQUEST']._serialized_start=750
+  _globals['_GENERATEREQUEST']._serialized_end=960
+  _globals['_TOPLOGPROBS']._serialized_start=962
+  _globals['_TOPLOGPROBS']._serialized_end=1012
+  _globals['_GENERATECHUNK']._serialized_start=1015
+  _globals['_GENERATECHUNK']._serialized_end=1325
+  _globals['_PREFILLREQUEST']._serialized_start=1328
+  _globals['_PREFILLREQUEST']._serialized_end=1604
+  _globals['_PREFILLRESPONSE']._serialized_start=1607
+  _globals['_PREFILLRESPONSE']._serialized_end=1818
+  _globals['_CONNECTREQUEST']._serialized_start=1821
+  _globals['_CONNECTREQUEST']._serialized_end=1961
+  _globals['_CONNECTRESPONSE']._serialized_start=1963
+  _globals['_CONNECTRESPONSE']._serialized_end=1980
+  _globals['_ABORTREQUEST']._serialized_start=1982
+  _globals['_ABORTREQUEST']._serialized_end=2017
+  _globals['_ABORTRESPONSE']._serialized_start=2019
+  _globals['_ABORTRESPONSE']._serialized_end=2055
+  _globals['_DECODE']._serialized_start=2058
+  _globals['_DECODE']._serialized_end=2190
+  _globals['_PREFILL']._serialized_start=2193
+  _globals['_PREFILL']._serialized_end=2388
 # @@protoc_insertion_point(module_scope)

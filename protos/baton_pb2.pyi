@@ -61,14 +61,18 @@ class TransferDescriptor(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
 class RankDestination(_message.Message):
-    __slots__ = ("destination", "kv_head_start", "kv_head_end")
+    __slots__ = ("destination", "kv_head_start", "kv_head_end", "layer_start", "layer_end")
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     destination: TransferDescriptor
     kv_head_start: int
     kv_head_end: int
-    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    def __init__(self, destination: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_address", "prefill_worker_id", "resume_token_ids", "resume_text_chars")

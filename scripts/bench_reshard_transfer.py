@@ -66,7 +66,7 @@ def region_classes():
                 for kv in range(2)
             ]
 
-        def _scatter(self, header, heads, staged):
+        def _scatter(self, header, staged):
             pass  # already in place
 
     return RegionSender, RegionReceiver

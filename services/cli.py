@@ -402,18 +402,15 @@ def _worker_kwargs(a: argparse.Namespace) -> dict:
     )
 
 
+def _degree(a: argparse.Namespace, flag: str, roles: tuple[str, str]) -> int:
+    """The largest of ``a.<flag>`` and ``baton up``'s per-role degrees (the worker commands have none)."""
+    return max(getattr(a, flag), *(getattr(a, role, None) or 1 for role in roles))
+
+
 def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
-    """Exit code 2 for a pipeline-parallel worker whose KV would cross to another worker, and for a
-    tensor-parallel one that would move it over nccl: re-sharded transfers (each rank its own
-    heads) run over ucx. And for any worker given data-parallel replicas: a worker serves one
-    engine (run more workers instead)."""
-    if a.pipeline_parallel_size > 1 and moves_kv:
-        print(
-            "error: --pipeline-parallel-size > 1 runs colocated only for now (--colocated): each stage"
-            " holds its own layers' KV, and transfers move one rank's layers",
-            file=sys.stderr,
-        )
-        return 2
+    """Exit code 2 for a tensor- or pipeline-parallel worker that would move KV over nccl:
+    re-sharded transfers (each rank its own layers and heads) run over ucx. And for any worker
+    given data-parallel replicas: a worker serves one engine (run more workers instead)."""
     if a.data_parallel_size > 1:
         print(
             "error: --data-parallel-size > 1 runs offline only for now (baton generate, baton bench"
@@ -421,11 +418,12 @@ def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
             file=sys.stderr,
         )
         return 2
-    # baton up's per-role degrees default to --tensor-parallel-size; the worker commands have none.
-    tp = max(a.tensor_parallel_size, getattr(a, "prefill_tp", None) or 1, getattr(a, "decode_tp", None) or 1)
-    if tp > 1 and moves_kv and a.kv_transport != "ucx":
+    tp = _degree(a, "tensor_parallel_size", ("prefill_tp", "decode_tp"))
+    pp = _degree(a, "pipeline_parallel_size", ("prefill_pp", "decode_pp"))
+    if (tp > 1 or pp > 1) and moves_kv and a.kv_transport != "ucx":
         print(
-            "error: tensor-parallel workers move KV (each rank its own heads) over --kv-transport ucx only",
+            "error: tensor- and pipeline-parallel workers move KV (each rank its own layers and heads)"
+            " over --kv-transport ucx only",
             file=sys.stderr,
         )
         return 2
@@ -567,6 +565,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             colocated=a.colocated,
             prefill_tp=a.prefill_tp or a.tensor_parallel_size,
             decode_tp=a.decode_tp or a.tensor_parallel_size,
+            prefill_pp=a.prefill_pp or a.pipeline_parallel_size,
+            decode_pp=a.decode_pp or a.pipeline_parallel_size,
             cpus=a.cpus,
             drain_timeout_s=a.drain_timeout,
             metrics_port=a.metrics_port,
@@ -686,6 +686,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); the KV is "
         "re-sharded in transfer where the two differ",
+    )
+    up.add_argument(
+        "--prefill-pp",
+        type=int,
+        default=None,
+        help="pipeline stages of each prefill worker (default: --pipeline-parallel-size)",
+    )
+    up.add_argument(
+        "--decode-pp",
+        type=int,
+        default=None,
+        help="pipeline stages of each decode worker (default: --pipeline-parallel-size); the KV is "
+        "re-sharded by layers in transfer where the two differ",
     )
     up.add_argument(
         "--cpus",

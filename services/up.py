@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from baton.common.launch import python_module
 from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
 
 STOP_MARGIN_S = 10.0
@@ -54,6 +55,10 @@ class UpConfig:
     """Tensor-parallel ranks of each prefill worker (``--tensor-parallel-size`` on its command)."""
     decode_tp: int = 1
     """Tensor-parallel ranks of each decode worker; the KV is re-sharded where the two differ."""
+    prefill_pp: int = 1
+    """Pipeline stages of each prefill worker (``--pipeline-parallel-size`` on its command)."""
+    decode_pp: int = 1
+    """Pipeline stages of each decode worker; the KV is re-sharded by layers where the two differ."""
     cpus: str | None = None
     """Pin workers to cores: ``auto``, ``none`` or ``|``-separated cpu lists (prefill workers
     first); None: as the layout decides."""
@@ -215,15 +220,7 @@ def machine_probe(model: str | None, num_cores: int) -> dict:
 
         return asdict(found)
     print(f"Measuring this CPU's GEMMs for the layout (once per machine) on {num_cores} cores...", flush=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "baton.common.model.gemm_probe",
-        "--model",
-        path,
-        "--threads",
-        str(num_cores),
-    ]
+    cmd = [*python_module("baton.common.model.gemm_probe"), "--model", path, "--threads", str(num_cores)]
     cmd += ["--decode-threads", ",".join(map(str, threads)), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -287,9 +284,7 @@ def run_cluster(cfg: UpConfig) -> int:
                 args += [*drain, *cfg.tls_args]
                 if layout.colocated and role == "decode":
                     args.append("--colocated")
-                tp = cfg.prefill_tp if role == "prefill" else cfg.decode_tp
-                if tp > 1 or "--tensor-parallel-size" in cfg.engine_args:  # after engine_args: wins
-                    args += ["--tensor-parallel-size", str(tp)]
+                args += _degree_flags(cfg, role)
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1
@@ -332,6 +327,20 @@ def run_cluster(cfg: UpConfig) -> int:
         _stop_cluster(group, cfg.drain_timeout_s)
         if redis_dir is not None:
             shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+def _degree_flags(cfg: UpConfig, role: str) -> list[str]:
+    """A worker's own tensor- and pipeline-parallel degrees, as flags that come after
+    ``engine_args`` (whose ``--tensor-parallel-size`` and ``--pipeline-parallel-size`` they win over)."""
+    prefill = role == "prefill"
+    flags = []
+    for flag, n in (
+        ("--tensor-parallel-size", cfg.prefill_tp if prefill else cfg.decode_tp),
+        ("--pipeline-parallel-size", cfg.prefill_pp if prefill else cfg.decode_pp),
+    ):
+        if n > 1 or flag in cfg.engine_args:
+            flags += [flag, str(n)]
+    return flags
 
 
 def _stop_cluster(group: ProcessGroup, drain_timeout_s: float) -> None:

@@ -1,21 +1,22 @@
-"""The KV transport of a tensor-parallel worker: every rank moves its own KV heads, straight from
-or into its own cache (the re-sharded transfer of ``common/transfer/reshard.py``; nothing is
-gathered on one rank).
+"""The KV transport of a tensor- or pipeline-parallel worker: every rank moves its own layers and
+KV heads, straight from or into its own cache (the re-sharded transfer of
+``common/transfer/reshard.py``; nothing is gathered on one rank).
 
 Rank 0 (the worker's process) runs its own part and tells the other ranks theirs down the pipes
-that carry its forward steps (``TensorParallelModel.tell``): a command sent after a step reaches
-a rank after that step's forward pass, so a rank sends blocks only once it has computed them.
+that carry its forward steps (``TensorParallelModel.tell``; ``PipelineParallelModel`` inherits it):
+a command sent after a step reaches a rank after that step's forward pass (a pipeline stage's
+included), so a rank sends blocks only once it has computed them.
 Each rank answers on its stdout pipe (length-prefixed pickles of ``Reply``; the channel never
 leaves the worker's own processes). This module is what the ranks run (``RankKV``) and what
 travels; rank 0's side is ``kv_sharded``.
 
 * Decode: ``kv_sharded.ShardedReceiver``, a receiver per rank over that rank's cache. ``expect``
   arms every rank (``ready`` waits until they all are: only then may the prefill worker be told)
-  and its handle completes once every rank's heads of every block have landed. The descriptors,
-  one per rank with the heads it holds, travel in the Prefill RPC.
+  and its handle completes once every rank's cells of every block have landed. The descriptors,
+  one per rank with the layers and heads it holds, travel in the Prefill RPC.
 * Prefill: ``kv_sharded.ShardedSender``, one per decode worker. Each rank holds a sender to each
-  decode rank it feeds (a ``Route``) and sends its head slices of every finished block; the
-  handle of a ``send`` completes once every rank's has.
+  decode rank it feeds (a ``Route``) and sends its slices of every finished block; the handle of a
+  ``send`` completes once every rank's has.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Command:
 @dataclass(frozen=True)
 class OpenReceiver(Command):
     cache_shape: tuple[int, ...]
-    """Rank 0's KV cache shape (a rank's own has its KV heads in place of rank 0's)."""
+    """Rank 0's KV cache shape (a rank's own has its layers and KV heads in place of rank 0's)."""
     cache_dtype: torch.dtype
     transfer: TransferConfig
 
@@ -85,7 +86,11 @@ class Route:
     dst_heads: tuple[int, int]
     """Where they go in the decode rank's cache."""
     whole: bool
-    """Both sides move all their heads: a plain sender, blocks as they are."""
+    """Both sides move all their layers and heads: a plain sender, blocks as they are."""
+    src_layers: tuple[int, int] | None = None
+    """Layers of the sending rank's cache; None: all of them, into all of the decode rank's."""
+    dst_layers: tuple[int, int] | None = None
+    """Where they go in the decode rank's cache (None with ``src_layers``)."""
 
 
 @dataclass(frozen=True)
@@ -154,10 +159,13 @@ def route_sender(config: TransferConfig, cache: torch.Tensor, route: Route) -> K
         sender = make_sender(config, cache)
     elif descriptor.backend != "ucx":
         raise ValueError(
-            "a re-sharded KV transfer (different tensor-parallel degrees) needs --kv-transport ucx"
+            "a re-sharded KV transfer (different tensor- or pipeline-parallel degrees) needs"
+            " --kv-transport ucx"
         )
     else:
-        sender = HeadSliceSender(config, cache, route.src_heads, route.dst_heads)
+        sender = HeadSliceSender(
+            config, cache, route.src_heads, route.dst_heads, route.src_layers, route.dst_layers
+        )
     try:
         sender.connect(descriptor)
     except BaseException:
@@ -167,7 +175,8 @@ def route_sender(config: TransferConfig, cache: torch.Tensor, route: Route) -> K
 
 
 def make_local_receiver(config: TransferConfig, cache: torch.Tensor) -> KVReceiver:
-    """A receiver over ``cache`` that takes whole blocks and head slices (ucx), or whole blocks."""
+    """A receiver over ``cache`` that takes whole blocks and layer or head slices (ucx), or whole
+    blocks."""
     if config.backend == "ucx":
         from baton.common.transfer.heads import HeadSliceReceiver
 

@@ -1,7 +1,7 @@
-"""Rank 0's side of a tensor-parallel worker's KV transport (``kv_ranks`` has the commands and the
-other ranks' side): ``RankLink`` tells the ranks and reads their replies, ``ShardedReceiver`` and
-``ShardedSender`` are the decode and prefill workers' ``KVReceiver`` and ``KVSender``, each a part
-here over rank 0's cache and a part in every other rank over its own."""
+"""Rank 0's side of a tensor- or pipeline-parallel worker's KV transport (``kv_ranks`` has the
+commands and the other ranks' side): ``RankLink`` tells the ranks and reads their replies,
+``ShardedReceiver`` and ``ShardedSender`` are the decode and prefill workers' ``KVReceiver`` and
+``KVSender``, each a part here over rank 0's cache and a part in every other rank over its own."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from baton.common.transfer.base import (
     all_of,
 )
 from baton.common.transfer.bookkeeping import SendLedger
+from baton.common.transfer.reshard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,10 @@ class RankLink:
     read back on a thread per rank. A rank that exits fails everything waiting on it."""
 
     def __init__(self, model: Any):
-        """``model``: a started ``TensorParallelModel`` (``driver.launch``)."""
+        """``model``: a started ``TensorParallelModel`` (``driver.launch``) or
+        ``PipelineParallelModel`` (``pipeline_driver.launch_pipeline``)."""
         self.model = model
+        self.kind = model.kind
         self.size = len(model.workers) + 1
         self._lock = threading.Lock()
         self._waiting: dict[tuple[str, int, str], ReplyHandle] = {}
@@ -102,8 +105,8 @@ class RankLink:
                 while (reply := read_frame(f)) is not None:
                     self._deliver(reply)
             except (OSError, ValueError, pickle.UnpicklingError) as e:
-                log.error("tensor-parallel rank %d: bad KV reply: %r", rank, e)
-        self._lost(rank, f"tensor-parallel rank {rank} exited")
+                log.error("%s rank %d: bad KV reply: %r", self.kind, rank, e)
+        self._lost(rank, f"{self.kind} rank {rank} exited")
 
     def _deliver(self, reply: Reply) -> None:
         with self._lock:
@@ -145,12 +148,13 @@ def all_landed(transfer_id: str, handles: Sequence[TransferHandle]) -> TransferH
 
 
 class ShardedReceiver(KVReceiver):
-    """A tensor-parallel decode worker's receivers: rank 0's here, the others' in their ranks."""
+    """A tensor- or pipeline-parallel decode worker's receivers: rank 0's here, the others' in
+    their ranks."""
 
-    def __init__(self, config: TransferConfig, cache: torch.Tensor, link: RankLink, heads: Sequence[tuple]):
-        """``cache``: rank 0's; ``heads``: each rank's KV heads ``(start, end)`` of the model's."""
+    def __init__(self, config: TransferConfig, cache: torch.Tensor, link: RankLink, shards: Sequence[Shard]):
+        """``cache``: rank 0's; ``shards``: each rank's layers and KV heads of the model's."""
         self.config = config
-        self.heads = [tuple(h) for h in heads]
+        self.shards = list(shards)
         self._cache = cache
         self._link = link
         self._local = make_local_receiver(config, cache)
@@ -201,9 +205,10 @@ class ShardedReceiver(KVReceiver):
         self._link.tell(Cancel(transfer_id))
 
     def progress(self, transfer_id: str) -> TransferProgress | None:
-        # Rank 0's: it is fed by prefill rank 0 under every plan (head 0's first holder), whose
-        # stream moves in step with its worker's other ranks (one engine drives them); a stream that
-        # stalls alone into another decode rank is caught by the transfer's deadline instead.
+        # Rank 0's: it is fed by prefill rank 0 under every plan (the first holder of layer 0's
+        # head 0), whose stream moves in step with its worker's other ranks (one engine drives
+        # them); a stream that stalls alone into another decode rank is caught by the transfer's
+        # deadline instead.
         return self._local.progress(transfer_id)
 
     def rank_bytes(self) -> list[int]:
@@ -218,7 +223,8 @@ class ShardedReceiver(KVReceiver):
 
 
 class ShardedSender(KVSender):
-    """A tensor-parallel prefill worker's sends to one decode worker: each rank its routes."""
+    """A tensor- or pipeline-parallel prefill worker's sends to one decode worker: each rank its
+    routes."""
 
     def __init__(
         self,

@@ -8,8 +8,10 @@ soon as it is done; the last stage sends the final hidden states back. LM-head c
 last stage, which computes them and sends the logits (or greedy ids) back. The scheduler, block
 tables and sampler are rank 0's alone.
 
-Failures are the tensor-parallel driver's (``driver.TensorParallelModel``): a rank that has died
-fails the call that finds it with ``RankFailedError`` naming it and its stage.
+A worker's ranks move their own stage's KV as tensor-parallel ranks move their heads
+(``kv_ranks``, told through ``tell``). Failures are the tensor-parallel driver's
+(``driver.TensorParallelModel``): a rank that has died fails the call that finds it with
+``RankFailedError`` naming it and its stage.
 """
 
 from __future__ import annotations

@@ -4,11 +4,16 @@ what rank 0 sends it.
 Started by ``pipeline_driver.launch_pipeline`` as
 ``python -m baton.common.parallel.pipeline_worker '<json StageSpec>'``, its stdin a pipe from rank 0
 (the commands; end of file: rank 0 has gone, so the rank exits) and its stdout a pipe back (one
-``ready`` line once the weights are loaded, then one JSON line per ``BusyIntervals``).
+``ready`` line once the weights are loaded, then one JSON line per ``BusyIntervals``). A worker's
+ranks also run their part of its KV transport (``kv_ranks.RankKV``: this stage's layers, straight
+from or into this rank's cache), whose replies take over stdout from its first command on (busy
+intervals are for offline engines, which move no KV).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,8 +29,8 @@ def serve(spec: StageSpec, commands: int, replies: int) -> None:
     from fd ``commands`` until a ``Stop`` or end of file."""
     import torch
 
-    from baton.common.parallel import messages
-    from baton.common.parallel.pipeline import Stage, stage_cache
+    from baton.common.parallel import kv_ranks, messages
+    from baton.common.parallel.pipeline import Stage
     from baton.common.parallel.worker import _pin
 
     _pin(spec.cpus)
@@ -38,19 +43,30 @@ def serve(spec: StageSpec, commands: int, replies: int) -> None:
     os.write(replies, b"ready\n")
     stage.start()
     cache: torch.Tensor | None = None
-    with torch.inference_mode():
+    kv = kv_ranks.RankKV(spec.rank, replies)  # this rank's part of the worker's KV transport
+    cache_for = functools.partial(_cache_for, config=model.config, device=spec.device)
+    with torch.inference_mode(), contextlib.closing(kv):
         while True:
             msg = messages.read(commands, spec.device)
             if msg is None or isinstance(msg, messages.Stop):
                 return
             if isinstance(msg, messages.StageForward):
-                cache = stage_cache(cache, msg.cache_shape, msg.cache_dtype, model.config, spec.device)
+                cache = cache_for(cache, msg)
                 stage.forward(msg.batches, cache)
+            elif isinstance(msg, kv_ranks.Command):
+                cache = kv.handle(msg, cache, cache_for)
             elif isinstance(msg, messages.Logits):
                 if stage.last:
                     stage.lm_head(msg.hidden, msg.greedy)
             elif isinstance(msg, messages.BusyIntervals):
                 os.write(replies, (json.dumps(list(stage.busy)) + "\n").encode())
+
+
+def _cache_for(cache, msg, config, device: str):
+    """This rank's KV cache for a message naming rank 0's cache shape (``stage_cache``)."""
+    from baton.common.parallel.pipeline import stage_cache
+
+    return stage_cache(cache, msg.cache_shape, msg.cache_dtype, config, device)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 One ``send`` becomes one *message*: a fixed-size preamble, a small JSON header naming the transfer
 and the destination runs, then one payload per run. A run is a stretch of blocks whose source ids
 and destination ids are both consecutive, so it is one contiguous slice of each cache and moves as
-one payload with no staging copy.
+one payload with no staging copy. (A message carrying some of each block's layers has one payload
+per block instead: ``Header.layers``.)
 """
 
 from __future__ import annotations
@@ -49,8 +50,18 @@ class Header:
     runs: tuple[tuple[int, int], ...]
     """(first destination block, count) per payload, in payload order."""
     heads: tuple[int, int] | None = None
-    """Destination KV heads ``[start, end)`` the payloads carry, packed ``[count, L, 2, heads, bs,
-    row]`` (a re-sharded transfer, ``reshard.py``); None: whole blocks."""
+    """Destination KV heads ``[start, end)`` the payloads carry, packed ``[count, layers, 2, heads,
+    bs, row]`` (a re-sharded transfer, ``reshard.py``); None: all of them."""
+    layers: tuple[int, int] | None = None
+    """Destination layers ``[start, end)`` the payloads carry; None: all of them. Where given, the
+    payloads are one per block (``[1, layers, 2, heads, bs, row]``), not one per run: a layer range
+    of a block with all its heads is one contiguous region of either cache, moved without a copy."""
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(first destination block, count) of each payload, in payload order."""
+        if self.layers is None:
+            return list(self.runs)
+        return [(b, 1) for b in self.dst_block_ids()]
 
     def dst_block_ids(self) -> list[int]:
         return [start + i for start, count in self.runs for i in range(count)]
@@ -104,10 +115,17 @@ def decode_head(data: bytes | bytearray | memoryview) -> tuple[Preamble, bytes]:
     return preamble, bytes(data[PREAMBLE_BYTES : PREAMBLE_BYTES + preamble.header_len])
 
 
-def encode_header(transfer_id: str, runs: Sequence[Run], heads: tuple[int, int] | None = None) -> bytes:
+def encode_header(
+    transfer_id: str,
+    runs: Sequence[Run],
+    heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
+) -> bytes:
     body: dict = {"t": transfer_id, "r": [[r.dst, r.count] for r in runs]}
     if heads is not None:
         body["h"] = list(heads)
+    if layers is not None:
+        body["l"] = list(layers)
     data = json.dumps(body, separators=(",", ":")).encode()
     if len(data) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(data)} bytes is too large")
@@ -118,7 +136,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
     body = json.loads(bytes(data))
     runs = tuple((int(start), int(count)) for start, count in body["r"])
     heads = (int(body["h"][0]), int(body["h"][1])) if "h" in body else None
-    return Header(str(body["t"]), runs, heads)
+    layers = (int(body["l"][0]), int(body["l"][1])) if "l" in body else None
+    return Header(str(body["t"]), runs, heads, layers)
 
 
 def plan_message(
@@ -127,8 +146,9 @@ def plan_message(
     dst: Sequence[int],
     num_blocks: int,
     heads: tuple[int, int] | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[list[Run], bytes]:
     """Validate one ``send`` and return its runs and encoded header (ValueError if malformed)."""
     src_ids = check_block_ids(src, num_blocks, "source")
     runs = coalesce(src_ids, check_block_ids(dst, 2**62, "destination"))
-    return runs, encode_header(transfer_id, runs, heads)
+    return runs, encode_header(transfer_id, runs, heads, layers)

@@ -105,7 +105,8 @@ class RemotePrefill:
         self.kv_layout = kv_layout
         """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
         self.rank_destinations = list(rank_destinations)
-        """A tensor-parallel worker's ranks (``baton_pb2.RankDestination``; ``tp_transfer``)."""
+        """A parallel worker's ranks: their layers and heads (``baton_pb2.RankDestination``;
+        ``tp_transfer``)."""
         self.results: dict[str, baton_pb2.PrefillResponse] = {}
         """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
         self.tls = config.grpc_tls

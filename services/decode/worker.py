@@ -231,7 +231,7 @@ class DecodeWorker:
         registry.register(EngineCollector(llm_engine, labels))
         metrics = RequestMetrics(registry, labels)
         if cfg.redis_url and not cfg.colocated:
-            # One receiver per tensor-parallel rank, each into its own cache (tp_transfer).
+            # One receiver per tensor- or pipeline-parallel rank, each into its own cache (tp_transfer).
             link = tp_transfer.rank_link(llm_engine)
             self._receiver = tp_transfer.make_receiver(cfg.transfer, llm_engine, link)
             descriptor = self._receiver.start()

@@ -49,6 +49,7 @@ from baton.common.transfer import (
     TransferHandle,
 )
 from baton.common.transfer.base import BACKENDS
+from baton.common.transfer.reshard import Shard
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
@@ -258,11 +259,11 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
 
     async def _destination(self, request, context) -> tuple[tp_transfer.Destination, list]:
         """The decode worker's ranks and which of this worker's ranks feeds which (re-sharded
-        when the two run at different tensor-parallel degrees)."""
+        when the two run at different tensor- or pipeline-parallel degrees)."""
         w = self.worker
         try:
-            dest = tp_transfer.destination(request, _descriptor, w.num_kv_heads)
-            return dest, tp_transfer.routes(w.rank_heads, dest, w.num_kv_heads)
+            dest = tp_transfer.destination(request, _descriptor, w.whole_kv)
+            return dest, tp_transfer.routes(w.rank_shards, dest, w.whole_kv)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise  # abort raises; for the type checker
@@ -318,11 +319,13 @@ class PrefillWorker:
         self.metrics_port = config.metrics_port
         self.engine: AsyncEngine | None = None
         self.kv_layout = ""
-        """``model_runner.kv_cache_layout`` of this worker's cache (all ranks' heads), once started."""
-        self.rank_heads: list[tuple[int, int]] = []
-        """Each tensor-parallel rank's KV heads (one range for one process)."""
-        self.num_kv_heads = 0
-        self._link: Any = None  # kv_sharded.RankLink to the other ranks' senders (tensor parallel)
+        """``model_runner.kv_cache_layout`` of this worker's cache (all ranks' layers and heads),
+        once started."""
+        self.rank_shards: list[Shard] = []
+        """Each rank's layers and KV heads (one shard, the whole model's, for one process)."""
+        self.whole_kv = Shard((0, 0), (0, 0))
+        """The model's layers and KV heads, once started."""
+        self._link: Any = None  # kv_sharded.RankLink to the other ranks' senders (TP or PP)
         self.jobs: dict[str, _Job] = {}
         self.bytes_sent_total = 0
         self.transfer_failures_total = 0
@@ -359,8 +362,8 @@ class PrefillWorker:
         self.engine = AsyncEngine(build, on_cache_events=on_events, on_fatal=on_fatal)
         llm_engine = await asyncio.to_thread(self.engine.start)
         self.kv_layout = tp_transfer.full_layout(llm_engine)
-        self.rank_heads = tp_transfer.rank_heads(llm_engine)
-        self.num_kv_heads = tp_transfer.num_kv_heads(llm_engine)
+        self.rank_shards = tp_transfer.rank_shards(llm_engine)
+        self.whole_kv = tp_transfer.all_of_model(llm_engine)
         self._link = tp_transfer.rank_link(llm_engine)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
@@ -410,7 +413,7 @@ class PrefillWorker:
     # -- senders ---------------------------------------------------------------------------------
     async def sender_for(self, dest: tp_transfer.Destination, routes: list) -> tuple[str, KVSender]:
         """The connected sender for ``dest`` (one per destination), connecting it if new; ``routes``
-        (``tp_transfer.routes``) say which rank sends which heads where."""
+        (``tp_transfer.routes``) say which rank sends which layers and heads where."""
         assert self.engine is not None
         key = dest.key
         with self._senders_lock:

@@ -2,7 +2,7 @@
 tokens and logprobs, for SmolLM2 (30 layers: 15 + 15) and for tiny random Llamas of 4 and 3 layers
 (3: split 2 + 1); a step cut into micro-batches gives the whole batch's results while the stages'
 busy intervals overlap; a killed stage rank fails the engine with an error naming it; no rank
-outlives its engine."""
+outlives its engine; workers that move KV take it over ucx only."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def test_micro_batched_steps_equal_the_whole_batch_and_the_stages_overlap(smollm
     _assert_same_top(results[4], results[1], atol=1e-4)
 
 
-def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_it(capsys):
+def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_nccl(capsys):
     from baton.services import cli
 
     a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-pp", "2", "-tp", "2"])
@@ -218,10 +218,11 @@ def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_it(capsys):
     assert (kwargs["pipeline_parallel_size"], kwargs["tensor_parallel_size"]) == (2, 2)
     flags = cli._engine_flags(a)  # what baton up passes on to its workers
     assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
-    assert cli.main(["prefill", "--pipeline-parallel-size", "2"]) == 2
-    assert "--pipeline-parallel-size > 1 runs colocated only" in capsys.readouterr().err
-    assert cli.main(["decode", "-pp", "2"]) == 2
-    assert "colocated only" in capsys.readouterr().err
+    # Stages move their own layers' KV over ucx (tests/e2e/test_disaggregated_pp.py); nccl is refused.
+    assert cli.main(["prefill", "--pipeline-parallel-size", "2", "--kv-transport", "nccl"]) == 2
+    assert "ucx only" in capsys.readouterr().err
+    assert cli.main(["decode", "-pp", "2", "--kv-transport", "nccl"]) == 2
+    assert "ucx only" in capsys.readouterr().err
 
 
 # -- failures (last: it kills a rank of the module's TP x PP engine) ------------------------------

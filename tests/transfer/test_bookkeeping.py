@@ -60,6 +60,15 @@ def test_header_and_preamble_round_trip():
     assert decode_preamble(raw) == Preamble(KIND_DATA, 0xABCD << 32 | 9, 123)
 
 
+def test_a_layer_slice_header_has_a_payload_per_block_and_a_head_slice_one_per_run():
+    runs = [Run(4, 10, 3), Run(0, 2, 1)]
+    heads = decode_header(encode_header("h", runs, heads=(2, 3)))
+    assert (heads.heads, heads.layers, heads.pieces()) == ((2, 3), None, [(10, 3), (2, 1)])
+    layers = decode_header(encode_header("l", runs, heads=(0, 2), layers=(15, 30)))
+    assert (layers.heads, layers.layers) == ((0, 2), (15, 30))
+    assert layers.pieces() == [(10, 1), (11, 1), (12, 1), (2, 1)]
+
+
 def test_head_carries_a_short_header_whole_and_a_long_one_in_part():
     short = encode_header("s", [Run(0, 0, 4)])
     head, tail = encode_head(KIND_DATA, 7, short)

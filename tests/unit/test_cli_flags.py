@@ -61,3 +61,38 @@ def test_no_jump_forward_reaches_workers_directly_and_through_baton_up():
     flags = _engine_flags(parser.parse_args(["up", "--no-jump-forward"]))
     assert "--no-jump-forward" in flags
     assert _engine_kwargs(parser.parse_args(["decode", *flags]))["jump_forward"] is False
+
+
+def test_baton_up_gives_each_role_its_parallel_degrees(monkeypatch):
+    """``--prefill-tp/-pp`` and ``--decode-tp/-pp`` reach the config ``baton up`` runs (each
+    defaulting to ``--tensor-parallel-size`` / ``--pipeline-parallel-size``), and each worker's
+    command line ends with its own degrees, after (so over) the engine flags handed to every one."""
+    from baton.services import cli, up
+
+    seen: list = []
+    monkeypatch.setattr(up, "run_cluster", lambda cfg: seen.append(cfg) or 0)
+    assert cli.main(["up", "-pp", "2", "--decode-pp", "1", "--decode-tp", "2", "--prefill", "1"]) == 0
+    assert cli.main(["up", "--prefill-pp", "2", "--prefill", "1"]) == 0
+    degrees = [(c.prefill_tp, c.prefill_pp, c.decode_tp, c.decode_pp) for c in seen]
+    assert degrees == [(1, 2, 2, 1), (1, 2, 1, 1)]
+    parser = build_parser()
+    for cfg in seen:
+        for role, tp, pp in (
+            ("prefill", cfg.prefill_tp, cfg.prefill_pp),
+            ("decode", cfg.decode_tp, cfg.decode_pp),
+        ):
+            a = parser.parse_args([role, *cfg.engine_args, *up._degree_flags(cfg, role)])
+            assert (a.tensor_parallel_size, a.pipeline_parallel_size) == (tp, pp), (role, cfg)
+
+
+def test_parallel_workers_move_kv_over_ucx_only(capsys):
+    from baton.services import cli
+
+    for argv in (
+        ["prefill", "-pp", "2", "--kv-transport", "nccl"],
+        ["decode", "--pipeline-parallel-size", "2", "--kv-transport", "nccl"],
+        ["up", "--decode-pp", "2", "--kv-transport", "nccl"],
+        ["prefill", "-tp", "2", "--kv-transport", "nccl"],
+    ):
+        assert cli.main(argv) == 2, argv
+        assert "ucx only" in capsys.readouterr().err
