@@ -89,12 +89,15 @@ def test_compose_runs_as_the_issue_asks():
         assert seconds(svc["stop_grace_period"]) == drain + 10
     assert services["decode"]["deploy"]["replicas"] >= 2
 
-    # Each pool's tensor-parallel degree: 1 unless the shell says otherwise, and the pools may differ.
-    def degrees(svcs):
-        return [flag(svcs[p]["command"], "--tensor-parallel-size") for p in ("prefill", "decode")]
+    # Each pool's tensor- and pipeline-parallel degrees: 1 unless the shell says otherwise, and the
+    # pools may differ.
+    def degrees(svcs, name="--tensor-parallel-size"):
+        return [flag(svcs[p]["command"], name) for p in ("prefill", "decode")]
 
     assert degrees(services) == ["1", "1"]
     assert degrees(load_compose({"DECODE_TP": "2"})["services"]) == ["1", "2"]
+    assert degrees(services, "--pipeline-parallel-size") == ["1", "1"]
+    assert degrees(load_compose({"PREFILL_PP": "2"})["services"], "--pipeline-parallel-size") == ["2", "1"]
     assert {"prefill", "decode"} <= set(services["gateway"]["depends_on"])
     for name in ("prometheus", "grafana"):
         assert services[name]["profiles"] == ["monitoring"]

@@ -27,6 +27,7 @@ import yaml
 
 from baton.common.index.server import EmbeddedRedis, free_port
 from baton.services.procs import baton_command
+from tests.procs import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -132,16 +133,19 @@ def test_both_overlays_render_pools_scaled_apart(rendered):
         )
 
 
-def test_each_worker_pod_runs_its_pools_tensor_parallel_degree(rendered):
-    """One pod per worker, its ranks processes inside it: the degree is a per-pool setting, so a
-    prefill pool and a decode pool may differ (the KV is re-sharded in transfer)."""
+def test_each_worker_pod_runs_its_pools_parallel_degrees(rendered):
+    """One pod per worker, its ranks processes inside it: the tensor- and pipeline-parallel degrees
+    are per-pool settings, so a prefill pool and a decode pool may differ (the KV is re-sharded in
+    transfer)."""
     for name in ("cpu", "gpu"):
         config = _find(rendered[name], "ConfigMap", "baton-config")["data"]
-        for role, var in (("prefill", "PREFILL_TP"), ("decode", "DECODE_TP")):
+        for role in ("prefill", "decode"):
             spec = _find(rendered[name], "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
             args = spec["containers"][0]["args"]
-            assert args[args.index("--tensor-parallel-size") + 1] == f"$({var})", (name, role)
-            assert int(config[var]) >= 1, (name, var)
+            for flag, kind in (("--tensor-parallel-size", "TP"), ("--pipeline-parallel-size", "PP")):
+                var = f"{role.upper()}_{kind}"
+                assert args[args.index(flag) + 1] == f"$({var})", (name, role, flag)
+                assert int(config[var]) >= 1, (name, var)
 
 
 def _validate(doc: dict) -> None:
@@ -308,6 +312,7 @@ def _start_pod(docs: list[dict], role: str, index: int, services: dict[str, str]
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
     return Pod(role, name, container, ports, proc, log, spec["terminationGracePeriodSeconds"])
 
