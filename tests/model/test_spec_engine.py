@@ -436,3 +436,37 @@ def test_the_throughput_guard_charges_a_verifying_step_its_proposing(target, tok
     # Every verifying step carries the 50 ms its proposals took; a plain one does not.
     assert min(verified) >= slow, verified
     assert plain and min(plain) < slow, plain
+
+
+def test_a_migrated_speculating_request_resumes_token_for_token(target, tok):
+    """A speculating request resumed from the tokens another worker already streamed (request
+    migration, ``AsyncEngine.generate(resume=...)``) recomputes prompt + output, goes on speculating
+    from there, and streams exactly the tokens the uninterrupted run would have."""
+    import asyncio
+
+    from baton.common.engine.async_engine import AsyncEngine
+
+    from .helpers import wait_engine_idle
+
+    engine = _engine(target, tok, **NGRAM)
+    plain = _engine(target, tok)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = _workload(7, 1)[0]
+    want = _run(plain, [prompt], params)["0"].token_ids
+    runner = AsyncEngine(engine)
+    runner.start()
+
+    async def tokens(rid: str, resume: list[int] = ()) -> list[int]:
+        return [t async for d in runner.generate(rid, prompt, params, resume) for t in d.token_ids]
+
+    try:
+        seen = asyncio.run(tokens("first"))[:9]  # what the client had when its worker died
+        before = engine.speculator.stats.num_accepted_tokens
+        rest = asyncio.run(tokens("resumed", seen))
+        accepted = engine.speculator.stats.num_accepted_tokens - before
+        wait_engine_idle(engine)
+    finally:
+        runner.stop()
+    assert seen == want[:9] and seen + rest == want
+    assert accepted > 0, "the resumed request was not speculated"
+    engine.pool.check_integrity()
