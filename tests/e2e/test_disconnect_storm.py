@@ -38,24 +38,36 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 async def _abandon(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
-    """One request given up at a random moment: where it was when its client left."""
+    """One request given up at a random moment: where it was when its client left. A quarter
+    leave at once or within 50 ms (queued), a quarter of the streams after a random number of
+    tokens (mid-decode: a slow machine, whose first tokens come late, still sees streams left
+    mid-way), the rest after a random time (queued, prefilling, mid-transfer or mid-decode)."""
     prompt = [rng.randrange(200, 40000) for _ in range(rng.randrange(8, 160))]
-    body = {"prompt": prompt, "max_tokens": 96, "ignore_eos": True, "stream": rng.random() < 0.9}
-    leave_after = rng.choice([0.0, 0.01, 0.05]) if i % 4 == 0 else rng.uniform(0.0, 1.5)
+    stream = rng.random() < 0.9
+    body = {"prompt": prompt, "max_tokens": 96, "ignore_eos": True, "stream": stream}
+    leave_at_token = None
+    if i % 4 == 0:
+        leave_after = rng.choice([0.0, 0.01, 0.05])
+    elif i % 4 == 1 and stream:
+        leave_after, leave_at_token = 60.0, rng.randrange(1, 16)
+    else:
+        leave_after = rng.uniform(0.0, 1.5)
     got = {"tokens": 0}
 
-    async def consume() -> None:
+    async def consume() -> str:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     got["tokens"] += 1
+                    if got["tokens"] == leave_at_token:
+                        return "mid-stream"  # leaving the block closes the connection
+        return "finished"
 
     try:
-        await asyncio.wait_for(consume(), leave_after)
+        return await asyncio.wait_for(consume(), leave_after)
     except asyncio.TimeoutError:
         return "before the first token" if got["tokens"] == 0 else "mid-stream"
-    return "finished"
 
 
 async def _storm(base: str) -> dict[str, int]:
