@@ -245,6 +245,40 @@ def test_w8a8_is_the_exact_integer_product_of_its_codes_on_this_cpu(rows):
     assert err < 1e-5, f"act_qmax {lin.act_qmax}, rows {rows}: worst relative error {err:.2e}"
 
 
+def test_int8_linear_runs_the_fused_kernel_from_the_first_row_below_fused_below(monkeypatch):
+    """Where Baton's VNNI kernel is compiled in, decode-sized products (1 to FUSED_BELOW - 1 rows)
+    go to it, batch 1 included (it beats the weight-only kernel there); larger ones to oneDNN.
+    Without it: weight-only below WEIGHT_ONLY_BELOW rows (8-bit codes) or W8A8 at every row count."""
+    from baton.common.model import quant
+    from baton.kernels import cpu_ops
+
+    calls: dict[str, list[int]] = {"fused": [], "weight_only": [], "w8a8": []}
+    for name, fn in (
+        ("fused", quant.fused_int8_mm),
+        ("weight_only", quant.weight_only_int8_mm),
+        ("w8a8", quant.w8a8_int8_mm),
+    ):
+        monkeypatch.setattr(
+            quant,
+            f"{name}_int8_mm",
+            lambda x, *a, _n=name, _f=fn, **kw: calls[_n].append(x.shape[0]) or _f(x, *a, **kw),
+        )
+    lin = quant.Int8Linear(
+        *quant.quantize_int8(_weight(64, 128, 0, edge_cases=False)), torch.float32, torch.float32
+    )
+    rows = [1, 3, 4, quant.FUSED_BELOW - 1, quant.FUSED_BELOW, 300]
+    for m in rows:
+        lin(torch.randn(m, 128))
+    fused = cpu_ops.int8_gemm_available() and quant.exact_u8s8_products()
+    if fused:
+        want = {"fused": rows[:4], "weight_only": [], "w8a8": rows[4:]}
+    elif quant.exact_u8s8_products():
+        want = {"fused": [], "weight_only": [1, 3], "w8a8": rows[2:]}
+    else:
+        want = {"fused": [], "weight_only": [], "w8a8": rows}
+    assert calls == want
+
+
 W8A8_PROBE = """
 import torch
 from baton.common.model import quant
