@@ -263,6 +263,9 @@ def test_slots_come_back_on_every_exit_path(http, base_url):
     ) as r:  # fmt: skip
         assert r.status_code == 200
         next(r.iter_lines())
+    # Each exit path gives its slot back before the next is tried: the gateway hears of a client
+    # that left asynchronously, and with both slots still held the errors below would be 429s.
+    wait_for(lambda: _admitted(http) == 0, 20, "the streaming client's slot to come back")
     # A non-streaming client that gives up before the answer.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
@@ -271,6 +274,7 @@ def test_slots_come_back_on_every_exit_path(http, base_url):
             headers=AUTH,
             timeout=httpx.Timeout(30, read=0.3),
         )
+    wait_for(lambda: _admitted(http) == 0, 30, "the timed-out client's slot to come back")
     # Errors: the worker's (a token id past the vocabulary), the gateway's, and one mid-body.
     _assert_error(http.post("/v1/completions", json={"prompt": [VOCAB]}, headers=AUTH), 400, param="prompt")
     _assert_error(http.post("/v1/completions", json={"prompt": ""}, headers=AUTH), 400, param="prompt")
