@@ -86,8 +86,11 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        # On the CPU even under ``torch.device("meta")`` (the loader's): meta ops run through
+        # torch._refs, whose first call imports torch._dynamo (~1 s of every worker's start).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -166,7 +169,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its own empty weight: nn.Embedding's random init would import torch._dynamo (~1.5 s of a
+        # worker's start) to fill a weight that loading replaces.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)

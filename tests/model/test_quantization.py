@@ -165,6 +165,7 @@ def test_smoothing_folds_exactly_and_rescales_the_outlier_channels(tiny_dir):
     cfg = config_from_hf(json.loads((tiny_dir / "config.json").read_text()))
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    torch.nn.init.normal_(model.embed_tokens.weight)  # the model leaves it empty for the loader
     for layer in model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight.data = torch.rand(cfg.hidden_size) + 0.5
