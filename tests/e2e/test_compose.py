@@ -98,6 +98,8 @@ def test_compose_runs_as_the_issue_asks():
     assert degrees(load_compose({"DECODE_TP": "2"})["services"]) == ["1", "2"]
     assert degrees(services, "--pipeline-parallel-size") == ["1", "1"]
     assert degrees(load_compose({"PREFILL_PP": "2"})["services"], "--pipeline-parallel-size") == ["2", "1"]
+    assert degrees(services, "--kv-cache-gib") == ["4", "4"]  # the engine's default
+    assert degrees(load_compose({"KV_CACHE_GIB": "8"})["services"], "--kv-cache-gib") == ["8", "8"]
     assert {"prefill", "decode"} <= set(services["gateway"]["depends_on"])
     for name in ("prometheus", "grafana"):
         assert services[name]["profiles"] == ["monitoring"]
@@ -268,7 +270,9 @@ def tail(r: Replica) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    services = load_compose()["services"]
+    # Three workers' KV caches on a 2-core, 24 GiB machine shared with the suite: 1 GiB each (4 by
+    # default) spares them seconds of huge-page compaction at start.
+    services = load_compose({"KV_CACHE_GIB": "1"})["services"]
     logs = tmp_path_factory.mktemp("compose")
     redis = EmbeddedRedis()
     url = redis.start()
