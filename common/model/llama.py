@@ -89,8 +89,12 @@ class Rotary(nn.Module):
         # On the CPU even under ``torch.device("meta")`` (the loader's): meta ops run through
         # torch._refs, whose first call imports torch._dynamo (~1 s of every worker's start).
         cpu = torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)  # [P, D/2]
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim)
+        )
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq
+        )  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

@@ -3,12 +3,22 @@
 GGUF tensors are dequantized with the ``gguf`` package's reader. llama.cpp stores q/k projection
 rows permuted for its interleaved RoPE; they are permuted back to the rotate-half layout that
 transformers (and this model) use.
+
+Reading a GGUF file's metadata (its vocabulary and merges, ~100,000 strings) and dequantizing its
+tensors takes 4-6 s of one core, at every worker's and every rank's start. So the assembled tensors
+are kept once per dtype under the cache directory (``BATON_CACHE_DIR``, default ``~/.cache/baton``)
+as a safetensors file beside the model's shape, keyed by the GGUF file's path, size and
+modification time like the tokenizer; later starts read that (~0.3 s). A cache that cannot be
+written is skipped, never an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -20,8 +30,9 @@ from baton.common.model import quant
 from baton.common.model.config import LlamaConfig
 from baton.common.model.llama import LlamaForCausalLM
 from baton.common.model.mixtral import MixtralConfig, MixtralForCausalLM, assemble_experts, is_mixtral
-from baton.common.model.source import ModelSource
+from baton.common.model.source import ModelSource, cache_dir
 
+log = logging.getLogger(__name__)
 # -- GGUF ---------------------------------------------------------------------------------------
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -146,9 +157,75 @@ def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Te
     return state
 
 
+# -- the cache of a GGUF file's assembled tensors ------------------------------------------------
+# Bumped whenever what ``_iter_gguf``/``_assemble`` produce changes, so that no stale cache is read.
+_WEIGHTS_CACHE_FORMAT = 1
+
+
+def weights_cache_dir(source: ModelSource) -> str:
+    """The folder of ``source``'s cached tensors (a GGUF file): its shape (``config.json``) and one
+    ``<dtype>.safetensors`` per dtype loaded so far."""
+    st = os.stat(source.path)
+    key = f"{_WEIGHTS_CACHE_FORMAT}:{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}"
+    return os.path.join(cache_dir(), "weights", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _cached_config(folder: str) -> LlamaConfig | None:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return LlamaConfig(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _gguf_state(source: ModelSource, dtype: torch.dtype, progress: bool):
+    """A GGUF model's shape and assembled tensors in ``dtype``, from the cache when it has them."""
+    folder = weights_cache_dir(source)
+    tensors = os.path.join(folder, f"{str(dtype).removeprefix('torch.')}.safetensors")
+    cfg = _cached_config(folder)
+    if cfg is not None and os.path.isfile(tensors):
+        from safetensors.torch import load_file
+
+        try:
+            for path in tqdm([tensors], desc="Loading weights (cached)", unit="file", disable=not progress):
+                return cfg, load_file(path)
+        except Exception as e:  # a truncated or foreign file: rebuilt below
+            log.warning("ignoring the weights cache %s: %s", tensors, e)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source.path)
+    cfg = gguf_config(reader)
+    state = _assemble(_iter_gguf(reader, cfg, progress), cfg, dtype)
+    _save_cache(folder, tensors, cfg, state)
+    return cfg, state
+
+
+def _save_cache(folder: str, tensors: str, cfg: LlamaConfig, state: dict[str, torch.Tensor]) -> None:
+    """Writes each file under a temporary name and renames it, so that processes loading at the
+    same time read either nothing or a whole file."""
+    from safetensors.torch import save_file
+
+    tmp = f".tmp{os.getpid()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json" + tmp), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f)
+        os.replace(os.path.join(folder, "config.json" + tmp), os.path.join(folder, "config.json"))
+        save_file(state, tensors + tmp)
+        os.replace(tensors + tmp, tensors)
+    except OSError as e:  # read-only or full: the next start reads the GGUF file again
+        log.warning("could not cache the model's tensors in %s: %s", folder, e)
+        for leftover in (os.path.join(folder, "config.json" + tmp), tensors + tmp):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
 def read_config(source: ModelSource) -> LlamaConfig:
     """The model's shape without loading its weights."""
     if source.kind == "gguf":
+        cfg = _cached_config(weights_cache_dir(source))
+        if cfg is not None:
+            return cfg
         from gguf import GGUFReader
 
         return gguf_config(GGUFReader(source.path))
@@ -176,11 +253,7 @@ def load_model(
     ``expert_parallel`` a MoE model's experts are placed whole across its ranks, not sliced."""
     prequantized: dict = {}
     if source.kind == "gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(source.path)
-        cfg = gguf_config(reader)
-        state = _assemble(_iter_gguf(reader, cfg, progress), cfg, dtype)
+        cfg, state = _gguf_state(source, dtype, progress)
     else:
         with open(os.path.join(source.path, "config.json")) as f:
             hf = json.load(f)
@@ -192,8 +265,10 @@ def load_model(
         prequantized = quant.take_prequantized(state)
     with torch.device("meta"):
         model = MixtralForCausalLM(cfg) if isinstance(cfg, MixtralConfig) else LlamaForCausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # The checkpoint's tensors become the parameters (no copy); ``to_empty`` on a meta model would
+    # also import sympy (~0.6 s) for its meta shapes.
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    _materialize_meta(model, dtype, device)
     missing = [m for m in missing if not m.startswith("rotary.") and m != "lm_head_weight"]
     missing = [m for m in missing if m.removesuffix(".weight") not in prequantized]
     if missing or unexpected:
@@ -214,6 +289,24 @@ def load_model(
         quant.quantize_model(model, quantization, prequantized)
     model.prepack()
     return model
+
+
+def _materialize_meta(model: torch.nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Real, uninitialized storage for what the checkpoint left on the meta device (the weights
+    a pre-quantized checkpoint replaces with codes; nothing for a complete one), then every
+    tensor on ``device``."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(empty(p), requires_grad=False)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = empty(b)
+    model.to(device)  # also what modules derive from their tensors in ``_apply`` (``Linear.dtype``)
 
 
 def _checkpoint_agrees(stored: str | None, asked: str | None) -> str | None:

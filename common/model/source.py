@@ -57,7 +57,8 @@ class ModelSource:
 
 
 # -- tokenizer ----------------------------------------------------------------------------------
-def _cache_dir() -> str:
+def cache_dir() -> str:
+    """Where Baton keeps what it derives from a model once: its tokenizer, its GGUF tensors."""
     return os.environ.get("BATON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "baton"))
 
 
@@ -73,7 +74,7 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(source.path)
     st = os.stat(source.path)
     key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    cached = os.path.join(cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
