@@ -323,6 +323,37 @@ def fp8_widen(codes: torch.Tensor, out: torch.Tensor) -> None:
     _ops().fp8_widen(codes, out)
 
 
+def bf16_gemm_available() -> bool:
+    """Whether ``bf16_gemm``'s AVX512-BF16 kernel was compiled in (``-march=native`` on a CPU with
+    AVX512-BF16)."""
+    return bool(_ops().bf16_gemm_available())
+
+
+def has_amx_bf16() -> bool:
+    """Whether the kernels were built for a CPU with AMX-BF16 tiles (where oneDNN's bf16 GEMM
+    runs on them)."""
+    return bool(_ops().has_amx_bf16())
+
+
+def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (K even) in ``bf16_gemm``'s layout: blocks of 16 output channels, each
+    [K / 2, 16, 2] (the 2 k-values of a channel side by side, as vdpbf16ps reads them; N padded to
+    a multiple of 16 with zero channels)."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"bf16_gemm needs K even, got {k}")
+    blocks = -(-n // 16)
+    padded = torch.zeros((blocks * 16, k), dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(blocks, k // 2, 32).contiguous()
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] bf16 = x [M, K] bf16 @ W.T, W packed by ``bf16_gemm_pack``: each output the fp32
+    sum of its K products (in pairs, vdpbf16ps), rounded to bf16 once."""
+    _ops().bf16_gemm(x, packed, out)
+
+
 def int8_gemm_available() -> bool:
     """Whether ``int8_gemm``'s AVX512-VNNI kernel was compiled in (``-march=native`` on a CPU
     with VNNI); without it the W8A8 product goes to oneDNN."""

@@ -88,10 +88,10 @@ def _linear(out_f: int, in_f: int, dtype: torch.dtype) -> Callable[[torch.Tensor
 
     # Filled, not zeros: untouched zero pages would all read from the kernel's one zero page.
     w = torch.full((out_f, in_f), 0.01, dtype=dtype)
-    packed = prepack_weight(w)
+    packed = prepack_weight(w)  # the kernel the model would run
     if packed is None:
         return lambda x: F.linear(x, w)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return packed
 
 
 def _rows(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:

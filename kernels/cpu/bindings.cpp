@@ -55,6 +55,11 @@ bool int8_gemm_available();
 void int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& col_sums,
                const at::Tensor& col_scales, const at::Tensor& out);
 
+// bf16_gemm.cpp
+bool bf16_gemm_available();
+bool has_amx_bf16();
+void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_quant", &rope_and_cache_quant,
         "rope_and_cache into a quantized cache: rotate q and k in place, quantize k and v rows",
@@ -89,6 +94,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_starts"), py::arg("group_blocks"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
+  m.def("bf16_gemm_available", &bf16_gemm_available, "Whether bf16_gemm's AVX512-BF16 kernel was compiled in");
+  m.def("has_amx_bf16", &has_amx_bf16, "Whether the build targets a CPU with AMX-BF16 tiles");
+  m.def("bf16_gemm", &bf16_gemm, "out = x @ W.T in bf16 (fp32 sums) with W packed by bf16_gemm_pack",
+        py::arg("x"), py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_available", &int8_gemm_available, "Whether int8_gemm's VNNI kernel was compiled in");
   m.def("int8_gemm", &int8_gemm,
         "W8A8 out = quant(x) @ W.T with W packed by int8_gemm_pack, both scales applied, one call",

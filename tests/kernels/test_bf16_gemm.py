@@ -1,0 +1,94 @@
+"""Baton's AVX512-BF16 GEMM (``cpu_ops.bf16_gemm``) against the exact product, and where the model
+runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+HAS_AVX512_BF16 = "avx512_bf16" in _cpu_flags()
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+# (M, N, K): one row; a row tile (6) and a ragged one; SmolLM2's qkv and down shapes at a decode
+# batch; N not a multiple of 16 nor of a column tile; the LM head's width.
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 64, 64), (6, 70, 96), (13, 960, 576), (9, 576, 1536), (3, 33, 2), (2, 49152, 576)]
+)
+def test_bf16_gemm_is_the_exact_product_rounded_once(m, n, k):
+    from baton.kernels import cpu_ops
+
+    assert cpu_ops.bf16_gemm_available()
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    cpu_ops.bf16_gemm(x, cpu_ops.bf16_gemm_pack(w), out)
+
+    exact = x.double() @ w.double().t()  # bf16 products are exact in fp64
+    magnitude = x.double().abs() @ w.double().abs().t()
+    # bf16's rounding of the result (half a unit in the 8th bit), plus fp32 sums over K terms.
+    bound = exact.abs() * 2.0**-8 + magnitude * k * 2.0**-24
+    err = (out.double() - exact).abs()
+    assert torch.isfinite(out).all()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
+
+
+def test_bf16_gemm_refuses_bad_inputs():
+    from baton.kernels import cpu_ops
+
+    packed = cpu_ops.bf16_gemm_pack(torch.ones(20, 8, dtype=torch.bfloat16))
+    assert packed.shape == (2, 4, 32)
+    assert packed[1, :, 8:].eq(0).all() and packed[1, :, :8].eq(1).all()  # channels 20..31 padded
+    with pytest.raises(ValueError, match="K even"):
+        cpu_ops.bf16_gemm_pack(torch.ones(20, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="packed must be"):
+        cpu_ops.bf16_gemm(torch.randn(2, 12).bfloat16(), packed, torch.empty(2, 20, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_ops.bf16_gemm(torch.randn(2, 8), packed, torch.empty(2, 20, dtype=torch.bfloat16))
+
+
+def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_but_no_amx():
+    from baton.common.model.llama import Bf16GemmWeight, Linear, OneDNNWeight, own_bf16_gemm
+
+    flags = _cpu_flags()
+    expected = "avx512_bf16" in flags and "amx_bf16" not in flags
+    assert own_bf16_gemm() == expected
+
+    torch.manual_seed(0)
+    linear = Linear(576, 960).to(torch.bfloat16)
+    x = torch.randn(3, 576).bfloat16()
+    plain = torch.nn.functional.linear(x, linear.weight).float()
+    linear.prepack()
+    assert linear.weight is None
+    assert isinstance(linear.packed, Bf16GemmWeight if expected else OneDNNWeight)
+    out = linear(x)
+    assert out.shape == (3, 960) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), plain, rtol=2**-7, atol=0.05)
+
+
+def test_the_environment_chooses_the_kernel(monkeypatch):
+    from baton.common.model.llama import own_bf16_gemm, prepack_weight
+    from baton.kernels import cpu_ops
+
+    w = torch.randn(32, 64).bfloat16()
+    monkeypatch.setenv("BATON_BF16_GEMM", "onednn")
+    assert not own_bf16_gemm()
+    assert type(prepack_weight(w)).__name__ == "OneDNNWeight"
+    monkeypatch.setenv("BATON_BF16_GEMM", "baton")
+    assert own_bf16_gemm() == cpu_ops.bf16_gemm_available()
+    monkeypatch.setenv("BATON_BF16_GEMM", "fastest")
+    with pytest.raises(ValueError, match="BATON_BF16_GEMM"):
+        own_bf16_gemm()
