@@ -1,6 +1,7 @@
-"""The model's projections per kernel and row count: bf16 (oneDNN, prepacked, as ``llama.Linear``),
-W8A8 int8 in Baton's fused VNNI kernel and in oneDNN's, weight-only int8 (the kernels
-``quant.Int8Linear`` chooses from), fp32 for reference.
+"""The model's projections per kernel and row count: bf16 as ``llama.Linear`` runs it here
+(``bf16``) and each bf16 kernel by name (``bf16-onednn``: oneDNN's blocked layout; ``bf16-baton``:
+Baton's AVX512-BF16 GEMM, where compiled in), W8A8 int8 in Baton's fused VNNI kernel and in
+oneDNN's, weight-only int8 (the kernels ``quant.Int8Linear`` chooses from), fp32 for reference.
 
     .venv/bin/python -m baton.bench.gemm --rows 1,8,64,256,2048 --threads 2 --output-json gemm.json
 
@@ -28,7 +29,7 @@ NUM_LAYERS = 30
 def _layers(num_layers: int, kernel: str) -> list[dict]:
     """Per layer, projection name -> (in features, the module the model would run)."""
     from baton.common.model import quant
-    from baton.common.model.llama import Linear
+    from baton.common.model.llama import Bf16GemmWeight, Linear, OneDNNWeight
 
     gen = torch.Generator().manual_seed(0)
     layers = []
@@ -41,7 +42,11 @@ def _layers(num_layers: int, kernel: str) -> list[dict]:
                 with torch.no_grad():
                     lin.weight.copy_(w)
                 lin = lin.to(torch.bfloat16 if kernel == "bf16" else torch.float32)
-                lin.prepack()  # bf16: oneDNN's blocked copy, as the loaded model has
+                lin.prepack()  # bf16: the packed copy the loaded model has
+            elif kernel == "bf16-onednn":
+                lin = OneDNNWeight(w.bfloat16())
+            elif kernel == "bf16-baton":
+                lin = Bf16GemmWeight(w.bfloat16())
             else:
                 # One Int8Linear kernel at every row count: weight-only, Baton's fused W8A8 or oneDNN's.
                 below = 1 << 30 if kernel == "int8-weight-only" else 0
@@ -75,13 +80,17 @@ def measure(kernel: str, rows: int, num_layers: int, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-KERNELS = ("bf16", "int8-fused", "int8-w8a8", "int8-weight-only", "fp32")
+KERNELS = ("bf16", "bf16-onednn", "bf16-baton", "int8-fused", "int8-w8a8", "int8-weight-only", "fp32")
 
 
 def available_kernels() -> list[str]:
     from baton.kernels import cpu_ops
 
-    return [k for k in KERNELS if k != "int8-fused" or cpu_ops.int8_gemm_available()]
+    missing = {
+        "int8-fused": not cpu_ops.int8_gemm_available(),
+        "bf16-baton": not cpu_ops.bf16_gemm_available(),
+    }
+    return [k for k in KERNELS if not missing.get(k, False)]
 
 
 def main(argv: list[str] | None = None) -> int:
