@@ -119,6 +119,10 @@ class DecodeServicer(baton_pb2_grpc.DecodeServicer):
         start = last = time.perf_counter()
         first = True
         rid = request.request_id
+        # A cancelled call (the client left) aborts the request at once. The deltas' own generator
+        # aborts it too when closed, but one left suspended at a yield (the call cancelled while
+        # its chunk was being written) is closed only when it is garbage collected.
+        context.add_done_callback(lambda ctx: self.engine.abort(rid) if ctx.cancelled() else None)
         try:
             async for d in self._deltas(request, params):
                 now = time.perf_counter()
