@@ -87,15 +87,30 @@ def metric(url: str, name: str) -> float:
 class WorkerProcess:
     """``baton <role>`` in its own session, on fixed free ports; ``wait_ready`` once started."""
 
+    # A free port is free only until another process binds it (the suite's other worker starts
+    # clusters too): a worker that fails to bind is started again on new ports, this many times.
+    BIND_ATTEMPTS = 3
+
     def __init__(self, role: str, model: Path, redis_url: str, log_dir: Path, *extra: str) -> None:
-        self.role = role
+        self.role, self.model, self.redis_url, self.log_dir, self.extra = (
+            role,
+            model,
+            redis_url,
+            log_dir,
+            extra,
+        )
+        self.attempts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.attempts += 1
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
-        self.log = log_dir / f"{role}-{self.grpc_port}.log"
-        args = [sys.executable, "-m", "baton.services.cli", role, "--model", str(model)]
+        self.log = self.log_dir / f"{self.role}-{self.grpc_port}.log"
+        args = [sys.executable, "-m", "baton.services.cli", self.role, "--model", str(self.model)]
         args += [
             "--redis-url",
-            redis_url,
+            self.redis_url,
             "--port",
             str(self.grpc_port),
             "--metrics-port",
@@ -107,7 +122,7 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [*args, *extra],
+                [*args, *self.extra],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -122,6 +137,10 @@ class WorkerProcess:
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not serving(self.address):
+            if self.proc.poll() is not None and self.attempts < self.BIND_ATTEMPTS:
+                if "Address already in use" in self.tail():
+                    self._start()
+                    continue
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{self.role} worker did not come up:\n{self.tail()}")
             time.sleep(0.1)
