@@ -339,13 +339,30 @@ def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] (K even) in ``bf16_gemm``'s layout: blocks of 16 output channels, each
     [K / 2, 16, 2] (the 2 k-values of a channel side by side, as vdpbf16ps reads them; N padded to
     a multiple of 16 with zero channels)."""
+    if weight.shape[1] % 2:
+        raise ValueError(f"bf16_gemm needs K even, got {weight.shape[1]}")
+    return _interleave(_pad_channels(weight), 2)
+
+
+def _pad_channels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16) * 16, K], the added output channels zero."""
     n, k = weight.shape
-    if k % 2:
-        raise ValueError(f"bf16_gemm needs K even, got {k}")
-    blocks = -(-n // 16)
-    padded = torch.zeros((blocks * 16, k), dtype=torch.bfloat16)
+    padded = torch.zeros((-(-n // 16) * 16, k), dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(blocks, k // 2, 32).contiguous()
+    return padded
+
+
+def _interleave(padded: torch.Tensor, group: int) -> torch.Tensor:
+    """[16 B, K] -> [B, K / group, 16 x group]: per block of 16 channels, ``group`` consecutive
+    k-values of each channel side by side, as one dot-product instruction reads them."""
+    n, k = padded.shape
+    blocks = n // 16
+    return (
+        padded.view(blocks, 16, k // group, group)
+        .permute(0, 2, 1, 3)
+        .reshape(blocks, k // group, 16 * group)
+        .contiguous()
+    )
 
 
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -365,14 +382,10 @@ def int8_gemm_pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channels, each [K / 4, 16, 4] (the 4 k-values of a channel side by side, as vpdpbusd reads
     them; N padded to a multiple of 16 with zero channels), and each padded channel's sum of codes
     (int32), which takes the activations' zero point back out of the product."""
-    n, k = qweight.shape
-    if k % 4:
-        raise ValueError(f"int8_gemm needs K a multiple of 4, got {k}")
-    blocks = -(-n // 16)
-    padded = torch.zeros((blocks * 16, k), dtype=torch.int8)
-    padded[:n] = qweight
-    packed = padded.view(blocks, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(blocks, k // 4, 64).contiguous()
-    return packed, padded.sum(dim=1, dtype=torch.int32)
+    if qweight.shape[1] % 4:
+        raise ValueError(f"int8_gemm needs K a multiple of 4, got {qweight.shape[1]}")
+    padded = _pad_channels(qweight)
+    return _interleave(padded, 4), padded.sum(dim=1, dtype=torch.int32)
 
 
 def int8_gemm(
