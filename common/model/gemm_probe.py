@@ -239,7 +239,12 @@ def _cpuinfo_lines() -> list[str]:
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "baton", "gemm-probe")
+    """``gemm-probe`` under Baton's cache directory (``BATON_CACHE_DIR``, default ``~/.cache/baton``),
+    beside the tokenizer and the assembled weights: an image or a pod that moves that directory
+    keeps its probes there too."""
+    from baton.common.model.source import cache_dir
+
+    return os.path.join(cache_dir(), "gemm-probe")
 
 
 def _model_stamp(model_path: str) -> list:
@@ -288,11 +293,14 @@ def cached_probe(
 
     result = probe(read_config(ModelSource.resolve(model_path)), threads, decode_threads)
     path = _cache_path(model_path, threads, decode_threads, cache_dir or default_cache_dir())
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(asdict(result), f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(asdict(result), f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache directory: measured again at the next start
+        print(f"warning: the GEMM probe is not remembered ({e})", file=sys.stderr)
     return result
 
 

@@ -64,3 +64,33 @@ def test_a_probe_is_remembered_per_model_file_and_thread_counts(tmp_path):
     assert gemm_probe.cached(str(model), 2, [1], cache) is None  # other threads: another figure
     (model / "config.json").write_text(json.dumps({**TINY.to_hf(), "num_hidden_layers": 3}))
     assert gemm_probe.cached(str(model), 1, [1], cache) is None  # the model file changed
+
+
+def test_probes_live_under_baton_cache_dir(tmp_path, monkeypatch):
+    """``BATON_CACHE_DIR`` moves the probes with the tokenizer and weights (an image's ENV, a pod's
+    volume); unset, they are under ``~/.cache/baton``."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY.to_hf()))
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "baton-cache"))
+    assert gemm_probe.default_cache_dir() == str(tmp_path / "baton-cache" / "gemm-probe")
+    first = gemm_probe.cached_probe(str(model), 1, [1])
+    written = list((tmp_path / "baton-cache" / "gemm-probe").glob("*.json"))
+    assert len(written) == 1 and gemm_probe.cached(str(model), 1, [1]) == first
+    monkeypatch.delenv("BATON_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gemm_probe.default_cache_dir() == str(tmp_path / "home" / ".cache" / "baton" / "gemm-probe")
+
+
+def test_a_read_only_cache_dir_costs_a_warning_not_the_start(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY.to_hf()))
+    (model / "model.safetensors").write_bytes(b"")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # a file where the cache directory would be: makedirs fails
+    p = gemm_probe.cached_probe(str(model), 1, [1], str(blocker / "gemm-probe"))
+    assert p.dtype in p.request_ms
+    assert "GEMM probe is not remembered" in capsys.readouterr().err
+    assert gemm_probe.cached(str(model), 1, [1], str(blocker / "gemm-probe")) is None
