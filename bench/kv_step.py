@@ -185,7 +185,7 @@ def register(bench: argparse._SubParsersAction) -> None:
         "--kv-cache-dtype",
         nargs="+",
         default=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
-        choices=list(kv_quant.KV_CACHE_DTYPES),
+        choices=[*kv_quant.KV_CACHE_DTYPES, *kv_quant.KV_CACHE_DTYPE_ALIASES],
         help="the caches to time; the first is the baseline",
     )
     p.add_argument("--batch", type=int, default=KVStepConfig.batch)

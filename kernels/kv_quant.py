@@ -48,20 +48,27 @@ FORMATS: dict[str, KVFormat] = {
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }
 KV_CACHE_DTYPES = ("auto", *FORMATS)
-"""Accepted ``kv_cache_dtype`` values; ``auto`` is the model dtype (no quantization)."""
+"""The ``kv_cache_dtype`` names; ``auto`` is the model dtype (no quantization)."""
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""Other names vLLM accepts: its ``--kv-cache-dtype fp8`` is e4m3."""
 
 _BY_STORAGE = {f.storage: f for f in FORMATS.values()}
 
 
-def check_kv_cache_dtype(name: str) -> None:
+def canonical_kv_cache_dtype(name: str) -> str:
+    """``name`` with vLLM's aliases resolved (``fp8`` -> ``fp8_e4m3``); ValueError for an unknown one."""
+    name = KV_CACHE_DTYPE_ALIASES.get(name, name)
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+        aliases = ", ".join(f"{a} ({n})" for a, n in KV_CACHE_DTYPE_ALIASES.items())
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, {aliases}, got {name!r}"
+        )
+    return name
 
 
 def kv_format(name: str) -> KVFormat | None:
-    """The format of ``name``; None for ``auto``."""
-    check_kv_cache_dtype(name)
-    return FORMATS.get(name)
+    """The format of ``name`` (an alias included); None for ``auto``."""
+    return FORMATS.get(canonical_kv_cache_dtype(name))
 
 
 def format_of(cache: torch.Tensor) -> KVFormat | None:

@@ -32,8 +32,8 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
-        help="KV cache storage: auto (the model dtype) or 1-byte codes with a scale per token and head",
+        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"],
+        help="KV cache storage: auto (the model dtype) or 1-byte codes with a scale per token and head (fp8: fp8_e4m3, as in vLLM)",
     )
     p.add_argument(
         "--quantization",

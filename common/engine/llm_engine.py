@@ -22,7 +22,7 @@ from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConf
 from baton.common.engine.spec_decode import SpecStats, SpeculativeConfig, drop_past_stop
 from baton.common.engine.speculator import make_speculator
 from baton.common.engine.structured import StructuredOutputs
-from baton.kernels.kv_quant import check_kv_cache_dtype
+from baton.kernels.kv_quant import canonical_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class EngineConfig:
     """Stages the layers are cut into, each of ``tensor_parallel_size`` ranks (``parallel.pipeline``)."""
 
     def __post_init__(self) -> None:
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        # vLLM's aliases become the one name the workers' settings and the layout check compare
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -39,8 +39,19 @@ def _agreement(base: list[list[int]], other: list[list[int]]) -> float:
 
 
 def test_unknown_kv_cache_dtype_is_refused():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_dtype must be one of auto, int8, fp8_e4m3, fp8_e5m2, fp8 \(fp8_e4m3\), got 'int4'",
+    ):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_vllms_fp8_name_is_e4m3():
+    """``--kv-cache-dtype fp8`` (vLLM's name for its e4m3 cache) is fp8_e4m3 everywhere after the
+    config: the workers' published settings and the hand-shake's layout compare one name."""
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert kv_quant.kv_format("fp8") is kv_quant.FORMATS["fp8_e4m3"]
+    assert EngineConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
 
 
 def test_a_quantized_cache_holds_about_twice_the_tokens(int8_llm):
@@ -68,7 +79,8 @@ def test_int8_greedy_tokens_mostly_agree_with_the_unquantized_cache(base_tokens,
 
 
 def test_an_fp8_cache_serves_and_mostly_agrees(base_tokens):
-    llm = _llm("fp8_e4m3")
+    llm = _llm("fp8")  # vLLM's name for e4m3
+    assert llm.engine.config.kv_cache_dtype == "fp8_e4m3"
     assert kv_quant.format_of(llm.engine.kv_cache) is kv_quant.FORMATS["fp8_e4m3"]
     assert kv_cache_layout(llm.engine.kv_cache) == "float8_e4m3fn 30x2x3x16x66"
     tokens = [o.outputs[0].token_ids for o in llm.generate(PLAIN_PROMPTS[:4], GREEDY)]
@@ -118,3 +130,9 @@ def test_the_kv_cache_dtype_flag_reaches_every_command_and_baton_up_workers():
     assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["kv_cache_dtype"] == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["decode", "--kv-cache-dtype", "int4"])
+    for cmd in (["up"], ["decode"], ["bench", "accuracy"], ["bench", "transfer"]):  # vLLM's fp8
+        assert parser.parse_args([*cmd, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parser.parse_args(["bench", "kv-step", "--kv-cache-dtype", "auto", "fp8"]).kv_cache_dtype == [
+        "auto",
+        "fp8",
+    ]
