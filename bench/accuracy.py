@@ -26,6 +26,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from baton.kernels import kv_cache_dtypes
+
 KV_CACHE_GIB = 0.5
 """Each run's KV cache: the longest sequence here is one chunk."""
 
@@ -199,9 +201,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a Llama safetensors directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quantization", default=None, choices=["int8", "fp8"])
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
-    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(kv_cache_dtypes.CHOICES))
     p.add_argument("--baseline-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--chunk-len", type=int, default=AccuracyConfig.chunk_len)
     p.add_argument("--num-prompts", type=int, default=AccuracyConfig.num_prompts)

@@ -26,7 +26,7 @@ import torch
 
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
 from baton.common.engine.scheduler import ScheduledRequest, SchedulerOutput
-from baton.kernels import kv_quant, paged_attention
+from baton.kernels import kv_cache_dtypes, kv_quant, paged_attention
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def register(bench: argparse._SubParsersAction) -> None:
         "--kv-cache-dtype",
         nargs="+",
         default=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
-        choices=[*kv_quant.KV_CACHE_DTYPES, *kv_quant.KV_CACHE_DTYPE_ALIASES],
+        choices=list(kv_cache_dtypes.CHOICES),
         help="the caches to time; the first is the baseline",
     )
     p.add_argument("--batch", type=int, default=KVStepConfig.batch)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from baton.bench.transfer_peers import KV_TRANSPORTS, TCP, KVGeometry, Peer, PeerError, PeerSpec
+from baton.kernels import kv_cache_dtypes
 
 if TYPE_CHECKING:
     from baton.common.model.config import LlamaConfig
@@ -331,9 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed transfers first")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"]
-    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(kv_cache_dtypes.CHOICES))
     p.add_argument("--model", default=None, help="whose KV shape and prefill (default: the engine's)")
     p.add_argument("--blocks-per-send", type=int, default=0, help="blocks per send call (0: all in one)")
     p.add_argument(

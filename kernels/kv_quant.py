@@ -28,6 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.kernels.kv_cache_dtypes import (  # noqa: F401  (re-exported)
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
+    QUANTIZED,
+    canonical_kv_cache_dtype,
+)
+
 SCALE_BYTES = 2
 """Bytes of the bf16 scale at the end of each (token, kv head) row."""
 
@@ -47,23 +54,9 @@ FORMATS: dict[str, KVFormat] = {
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }
-KV_CACHE_DTYPES = ("auto", *FORMATS)
-"""The ``kv_cache_dtype`` names; ``auto`` is the model dtype (no quantization)."""
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
-"""Other names vLLM accepts: its ``--kv-cache-dtype fp8`` is e4m3."""
+assert tuple(FORMATS) == QUANTIZED, "kv_cache_dtypes.QUANTIZED names every format"
 
 _BY_STORAGE = {f.storage: f for f in FORMATS.values()}
-
-
-def canonical_kv_cache_dtype(name: str) -> str:
-    """``name`` with vLLM's aliases resolved (``fp8`` -> ``fp8_e4m3``); ValueError for an unknown one."""
-    name = KV_CACHE_DTYPE_ALIASES.get(name, name)
-    if name not in KV_CACHE_DTYPES:
-        aliases = ", ".join(f"{a} ({n})" for a, n in KV_CACHE_DTYPE_ALIASES.items())
-        raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, {aliases}, got {name!r}"
-        )
-    return name
 
 
 def kv_format(name: str) -> KVFormat | None:

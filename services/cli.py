@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from baton.kernels import kv_cache_dtypes
+
 
 def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     """Engine flags; ``dtype`` is the default of ``--dtype`` (``auto``: the faster on this CPU)."""
@@ -32,7 +34,7 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8"],
+        choices=list(kv_cache_dtypes.CHOICES),
         help="KV cache storage: auto (the model dtype) or 1-byte codes with a scale per token and head (fp8: fp8_e4m3, as in vLLM)",
     )
     p.add_argument(

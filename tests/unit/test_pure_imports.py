@@ -20,6 +20,8 @@ PURE_MODULES = [
     "baton.common.engine.sampling_params",
     "baton.common.engine.scheduler",
     "baton.common.engine.step_shapes",
+    "baton.kernels.kv_cache_dtypes",
+    "baton.services.cli",
 ]
 
 UNIT_DIR = Path(__file__).resolve().parent
