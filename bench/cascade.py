@@ -13,6 +13,12 @@ and ends with blocks of its own. Reported, plain kernel vs cascade kernel on the
 
 Times are the minimum over ``--iters`` runs (the machine is shared: the minimum is the run least
 disturbed by other processes), ratios plain / cascade.
+
+And the roofline: both kernels do the same arithmetic (``attention_flop``: q.k and p.v, 2 x D flops
+each per query head and context token), so their rates are comparable with this machine's vdpbf16ps
+rate (``cpu_ops.bf16_dot_peak_gflops``, same threads). Where the shared prefix stays in cache the
+plain kernel is compute-bound too, and no exact kernel beats it by more than ``speedup_bound`` =
+peak / the plain kernel's rate (bf16 without AMX tiles; None otherwise).
 """
 
 from __future__ import annotations
@@ -79,6 +85,13 @@ def best_of(fn: Callable[[], object], iters: int) -> float:
     return best
 
 
+def attention_flop(batch: Batch) -> int:
+    """Flops of one layer's exact decode attention over ``batch``: per query head and context
+    token, q.k (D multiply-adds) and p.v (D more), 2 flops each."""
+    heads, head_dim = batch.q.shape[1], batch.q.shape[2]
+    return 4 * heads * head_dim * int(batch.lens.sum())
+
+
 def attention_times(batch: Batch, iters: int) -> tuple[float, float]:
     """(plain, cascade) seconds of one layer's decode attention."""
     out = torch.empty_like(batch.q)
@@ -137,6 +150,11 @@ class Result:
     attention_plain_ms: float
     attention_cascade_ms: float
     attention_speedup: float
+    attention_gflop: float
+    plain_gflops: float
+    cascade_gflops: float
+    bf16_peak_gflops: float | None
+    speedup_bound: float | None
     step_plain_ms: float | None
     step_cascade_ms: float | None
     step_speedup: float | None
@@ -150,11 +168,24 @@ def run(requests: int, shared_len: int, suffix_len: int, dtype: str, iters: int,
     if step:
         sp, sc = step_times(batch, dt, max(3, iters // 4))
     ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731
+    gflop = attention_flop(batch) / 1e9
+    peak = bf16_peak(dt)
     return Result(
         requests, shared_len, suffix_len, dtype, torch.get_num_threads(),
         ms(plain), ms(cascade), round(plain / cascade, 2),
+        round(gflop, 4), round(gflop / plain, 1), round(gflop / cascade, 1),
+        None if peak is None else round(peak, 1),
+        None if peak is None else round(peak * plain / gflop, 2),
         ms(sp), ms(sc), None if sp is None or sc is None else round(sp / sc, 2),
     )  # fmt: skip
+
+
+def bf16_peak(dtype: torch.dtype) -> float | None:
+    """This machine's vdpbf16ps rate in GFLOP/s (best of 3), where it bounds both kernels: a bf16
+    cache on a CPU with AVX512-BF16 and no AMX tiles (the shared pass runs on tiles there)."""
+    if dtype != torch.bfloat16 or cpu_ops.has_amx_bf16() or not cpu_ops.bf16_gemm_available():
+        return None
+    return max(cpu_ops.bf16_dot_peak_gflops() for _ in range(3))
 
 
 def _fit_nonnegative(rows: list[list[float]], times: list[float]) -> list[float]:

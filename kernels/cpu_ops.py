@@ -335,6 +335,13 @@ def has_amx_bf16() -> bool:
     return bool(_ops().has_amx_bf16())
 
 
+def bf16_dot_peak_gflops(rounds: int = 10_000_000) -> float:
+    """The vdpbf16ps rate of this machine on ``torch.get_num_threads()`` threads, in GFLOP/s (0.0
+    without AVX512-BF16): the ceiling of the bf16 attention kernels that do not run on AMX tiles.
+    A default run takes about 0.1 s on two Zen 4 cores."""
+    return float(_ops().bf16_dot_peak_gflops(rounds))
+
+
 def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] (K even) in ``bf16_gemm``'s layout: blocks of 16 output channels, each
     [K / 2, 16, 2] (the 2 k-values of a channel side by side, as vdpbf16ps reads them; N padded to

@@ -11,7 +11,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -121,6 +123,41 @@ bool has_amx_bf16() {
   return true;
 #else
   return false;
+#endif
+}
+
+// The machine's vdpbf16ps rate (the ceiling of every bf16 attention kernel here that does not use
+// AMX): each thread runs `rounds` x 24 independent vdpbf16ps chains (24 hide the instruction's
+// latency; 12 do not on Zen 4), 64 flops each. Returns GFLOP/s over all threads, 0 where the
+// instruction was not compiled in.
+double bf16_dot_peak_gflops(int64_t rounds) {
+#ifdef BATON_BF16_GEMM
+  constexpr int kChains = 24;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<float> sink(static_cast<size_t>(threads), 0.f);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      __m512 acc[kChains];
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+      const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+      const __m512bh b = a;  // each lane adds 2 a round: finite for any run here
+      for (int64_t r = 0; r < rounds; ++r) {
+#pragma GCC unroll 24
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+      }
+      float s = 0.f;
+      for (int i = 0; i < kChains; ++i) s += _mm512_reduce_add_ps(acc[i]);
+      sink[static_cast<size_t>(t)] = s;
+    }
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return static_cast<double>(rounds) * kChains * 64 * threads / sec / 1e9;
+#else
+  (void)rounds;
+  return 0.0;
 #endif
 }
 

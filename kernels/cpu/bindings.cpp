@@ -58,6 +58,7 @@ void int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 // bf16_gemm.cpp
 bool bf16_gemm_available();
 bool has_amx_bf16();
+double bf16_dot_peak_gflops(int64_t rounds);
 void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -96,6 +97,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
   m.def("bf16_gemm_available", &bf16_gemm_available, "Whether bf16_gemm's AVX512-BF16 kernel was compiled in");
   m.def("has_amx_bf16", &has_amx_bf16, "Whether the build targets a CPU with AMX-BF16 tiles");
+  m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops,
+        "GFLOP/s of independent vdpbf16ps chains on every thread (0 without AVX512-BF16)",
+        py::arg("rounds"));
   m.def("bf16_gemm", &bf16_gemm, "out = x @ W.T in bf16 (fp32 sums) with W packed by bf16_gemm_pack",
         py::arg("x"), py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_available", &int8_gemm_available, "Whether int8_gemm's VNNI kernel was compiled in");

@@ -162,6 +162,48 @@ def test_triton_matches_reference_interpreted():
     assert out.count("ok ") == 2 * len(CASES), out
 
 
+def test_the_bench_counts_the_flops_torch_counts_in_the_reference():
+    """``attention_flop`` against an independent count: torch's FlopCounterMode over the reference
+    attention (its two einsums) on the same batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from baton.bench.cascade import HEAD_DIM, attention_flop, make_batch
+
+    batch = make_batch(3, 64, 20, torch.float32)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        paged_decode_attention_ref(batch.q, batch.k, batch.v, batch.tables, batch.lens, HEAD_DIM**-0.5)
+    assert attention_flop(batch) == counter.get_total_flops() == 4 * 9 * 64 * 3 * (64 + 20 + 1)
+
+
+def test_the_bench_reports_each_kernels_rate_against_the_bf16_peak():
+    from baton.bench.cascade import run
+    from baton.kernels import cpu_ops
+
+    r = run(requests=4, shared_len=64, suffix_len=8, dtype="bfloat16", iters=2, step=False)
+    assert r.attention_gflop == round(4 * 9 * 64 * 4 * (64 + 8 + 1) / 1e9, 4)
+    assert r.plain_gflops > 0 and r.cascade_gflops > 0
+    if cpu_ops.bf16_gemm_available() and not cpu_ops.has_amx_bf16():
+        # vdpbf16ps: 64 flops an instruction; at least 1 GFLOP/s on any thread count here.
+        assert r.bf16_peak_gflops is not None and r.bf16_peak_gflops > 1.0
+        # the most an exact kernel can gain: the peak over the plain kernel's rate
+        assert r.speedup_bound == pytest.approx(r.bf16_peak_gflops / r.plain_gflops, rel=0.03)
+    else:
+        assert r.bf16_peak_gflops is None and r.speedup_bound is None
+    fp32 = run(requests=4, shared_len=64, suffix_len=8, dtype="float32", iters=2, step=False)
+    assert fp32.bf16_peak_gflops is None and fp32.speedup_bound is None  # not the fp32 kernels' roof
+
+
+def test_the_peak_probe_is_zero_without_the_instruction_and_scales_with_rounds():
+    from baton.kernels import cpu_ops
+
+    if not cpu_ops.bf16_gemm_available():
+        assert cpu_ops.bf16_dot_peak_gflops(1000) == 0.0
+        return
+    rate = cpu_ops.bf16_dot_peak_gflops(200_000)
+    assert 1.0 < rate < 1e5  # a rate in GFLOP/s, not flops or seconds
+
+
 if __name__ == "__main__":
     from baton.kernels.triton_cascade import cascade_decode_attention_triton
 
