@@ -184,7 +184,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        default=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+        default=list(kv_cache_dtypes.KV_CACHE_DTYPES),
         choices=list(kv_cache_dtypes.CHOICES),
         help="the caches to time; the first is the baseline",
     )
