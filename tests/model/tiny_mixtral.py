@@ -76,13 +76,16 @@ def hf_greedy(
     return out
 
 
-def assert_matches_hf(outputs, reference, atol: float = 1e-4) -> None:
+def assert_matches_hf(outputs, reference, lengths: list[int] | None = None, atol: float = 1e-4) -> None:
     """Baton's ``RequestOutput``s (greedy, ``logprobs=5``) against ``hf_greedy``'s, request by
-    request: the same tokens, and at every step the same top ids with log-probabilities within
-    ``atol``. A shorter output is checked against the reference's first tokens."""
-    for out, (tokens, tops) in zip(outputs, reference, strict=True):
+    request: exactly ``lengths[i]`` tokens (by default all of the reference's, so a short or empty
+    output fails), the reference's first ones, and at every step the same top ids with
+    log-probabilities within ``atol``."""
+    if lengths is None:
+        lengths = [len(tokens) for tokens, _ in reference]
+    for out, (tokens, tops), n in zip(outputs, reference, lengths, strict=True):
         got = out.outputs[0]
-        n = len(got.token_ids)
+        assert 0 < n <= len(tokens), f"expected {n} tokens of a reference of {len(tokens)}"
         assert got.token_ids == tokens[:n]
         for step, (ids, lps) in zip(got.top_logprobs, tops[:n], strict=True):
             assert list(step.token_ids) == ids
