@@ -1,4 +1,4 @@
-"""A real prefill worker over real gRPC and a real KV transport (ucx and nccl/gloo): the first token
+"""A real prefill worker over real gRPC and a real KV transport (ucx, and the "nccl" transport as it runs on CPU caches: gloo): the first token
 matches the offline engine; the blocks that land in a destination cache hold the offline engine's KV
 (all of them, or only those after ``num_skip_tokens``); the worker's prefix cache is reused; a
 destination that cannot be reached fails the RPC, bounded, and the worker keeps serving."""
@@ -24,6 +24,7 @@ from baton.common.llm import SamplingParams
 from baton.common.transfer import TransferConfig, TransferDescriptor, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig, _TransferCollector
+from tests.transfer.backends import CPU_BACKENDS
 
 BS = 16
 PROMPT = [(i * 7919) % 5000 + 100 for i in range(200)]  # 13 blocks, the last one partial
@@ -54,7 +55,7 @@ def worker():
     thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module", params=["ucx", "nccl"])
+@pytest.fixture(scope="module", params=CPU_BACKENDS)
 def dest(request, worker):
     """A decode-side receiver over a zeroed cache shaped like the worker's (64 blocks)."""
     shape = worker.engine.engine.kv_cache.shape[1:]

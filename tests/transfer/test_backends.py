@@ -1,4 +1,5 @@
-"""Each backend inside one process: several senders into one receiver, and argument checking."""
+"""Each backend inside one process (ucx, and the "nccl" transport as it runs on CPU caches: gloo):
+several senders into one receiver, and argument checking."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from baton.common.transfer import (
     make_receiver,
     make_sender,
 )
-
-BACKENDS = ["ucx", "nccl"]
+from tests.transfer.backends import CPU_BACKENDS as BACKENDS
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -29,6 +29,8 @@ def test_two_senders_fill_one_receiver(backend):
         try:
             for s in senders:
                 s.connect(descriptor)
+            if backend == "nccl":  # the test id says gloo: so does the pair group it made
+                assert [s._group.name() for s in senders] == ["gloo", "gloo"]
             senders[0].send("a", [5, 6], [0, 1])
             senders[1].send("b", [7, 8], [21, 20])
             senders[0].send("a", [7, 3], [2, 9])

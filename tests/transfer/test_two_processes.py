@@ -13,9 +13,9 @@ import time
 import pytest
 
 from tests.transfer import peers
+from tests.transfer.backends import CPU_BACKENDS as BACKENDS
 
 pytestmark = pytest.mark.slow
-BACKENDS = ["ucx", "nccl"]
 STEP_S = 60.0  # bound on any one wait for a peer process
 
 
