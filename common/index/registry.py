@@ -1,11 +1,13 @@
 """Worker registry: one Redis key per worker, refreshed by heartbeat. Discovery and liveness in one:
-a worker that stops heartbeating vanishes when its key's TTL runs out."""
+a worker that stops heartbeating vanishes when its key's TTL runs out. With a cluster secret, each
+record carries an HMAC (``record_mac``) and readers ignore records without a valid one."""
 
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -13,8 +15,12 @@ from typing import Any, Literal
 from baton.common.index import keys
 from baton.common.index._codec import as_text, ttl_ms
 from baton.common.index.outage import OutageLog
+from baton.common.index.record_mac import RecordSigner
 
 log = logging.getLogger(__name__)
+
+MAX_WARNED_IDS = 1024
+"""Worker ids whose rejected records are warned about (once each); past it, only counted."""
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -83,14 +89,23 @@ class WorkerInfo:
 class WorkerRegistry:
     """The workers of one model, each under ``baton:<model>:worker:<id>`` with a TTL of ``ttl_s``.
 
-    ``client`` is a ``redis.Redis`` (either ``decode_responses`` setting works).
+    ``client`` is a ``redis.Redis`` (either ``decode_responses`` setting works). With a ``secret``
+    (the cluster's), records are written signed and a record read without a valid MAC (missing,
+    wrong, expired, or copied from another key) is left out as if absent: a warning once per worker
+    id, and ``num_rejected`` counts every such read. Without one, records are written and read as
+    they are.
     """
 
-    def __init__(self, client: Any, model: str, ttl_s: float) -> None:
+    def __init__(self, client: Any, model: str, ttl_s: float, secret: bytes | None = None) -> None:
         self._client = client
         self._model = model
         self._ttl_ms = ttl_ms(ttl_s)
         self.ttl_s = ttl_s
+        self._signer = RecordSigner(secret) if secret else None
+        self._lock = threading.Lock()  # readers run on several threads (the gateway's Redis pool)
+        self._warned: set[str] = set()
+        self.num_rejected = 0
+        """Records read and left out for their MAC, since this registry was made (a counter)."""
 
     def register(self, info: WorkerInfo) -> bool:
         """Publish ``info`` with a fresh TTL (replacing any earlier record of the same id); whether
@@ -99,7 +114,7 @@ class WorkerRegistry:
         key = keys.worker_key(self._model, info.id)
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(key)
-        pipe.set(key, info.to_json(), px=self._ttl_ms)
+        pipe.set(key, self._encode(key, info), px=self._ttl_ms)
         existed, _ = pipe.execute()
         return bool(existed)
 
@@ -115,8 +130,9 @@ class WorkerRegistry:
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         """One worker's record, or None if absent or expired."""
-        raw = self._client.get(keys.worker_key(self._model, worker_id))
-        return None if raw is None else WorkerInfo.from_json(raw)
+        key = keys.worker_key(self._model, worker_id)
+        raw = self._client.get(key)
+        return None if raw is None else self._decode(key, raw)
 
     def list(self, role: Role | None = None) -> list[WorkerInfo]:
         """Live workers of this model, sorted by id, optionally only one role."""
@@ -127,8 +143,42 @@ class WorkerRegistry:
             return []
         # A key can expire between SCAN and MGET: its value comes back None and is skipped.
         values = self._client.mget(names)
-        workers = [WorkerInfo.from_json(v) for v in values if v is not None]
+        found = (self._decode(k, v) for k, v in zip(names, values) if v is not None)
+        workers = [w for w in found if w is not None]
         return sorted((w for w in workers if role is None or w.role == role), key=lambda w: w.id)
+
+    def _encode(self, key: str, info: WorkerInfo) -> str:
+        if self._signer is None:
+            return info.to_json()
+        signed = self._signer.sign(key, info.to_dict(), time.time() + self.ttl_s)
+        return json.dumps(signed, sort_keys=True)
+
+    def _decode(self, key: str, raw: str | bytes) -> WorkerInfo | None:
+        """The record read under ``key``; None (and counted) when a secret is set and it fails."""
+        if self._signer is None:
+            return WorkerInfo.from_json(raw)
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        reason = self._signer.verify(key, record, time.time())
+        if reason is None:
+            try:
+                return WorkerInfo.from_dict(record)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                reason = "signed but malformed"
+        self._reject(key, reason)
+        return None
+
+    def _reject(self, key: str, reason: str) -> None:
+        worker_id = keys.worker_id_from_key(self._model, key)
+        with self._lock:
+            self.num_rejected += 1
+            first = worker_id not in self._warned and len(self._warned) < MAX_WARNED_IDS
+            if first:
+                self._warned.add(worker_id)
+        if first:
+            log.warning("ignoring the registry record of worker %r: %s", worker_id, reason)
 
 
 class Heartbeat:

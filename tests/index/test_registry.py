@@ -123,3 +123,41 @@ def test_a_stopped_heartbeat_without_deregister_expires_by_ttl(client):
     beat.stop(deregister=False)
     assert registry.get("p0") is not None
     assert wait_until(lambda: registry.get("p0") is None, timeout_s=5.0)
+
+
+def test_with_a_secret_only_signed_records_are_listed(client, caplog):
+    """An attacker who can write Redis but lacks the cluster secret adds no worker: an unsigned
+    record, a legitimate record edited to point elsewhere, one copied under another worker's key,
+    and one signed with another secret are all left out, warned about once per id and counted."""
+    import json
+
+    secret = b"cluster-secret"
+    registry = WorkerRegistry(client, MODEL, ttl_s=30, secret=secret)
+    d0, p0 = _worker("d0", role="decode", free_blocks=64.0), _worker("p0")
+    registry.register(d0)
+    registry.register(p0)
+    key = f"baton:{MODEL}:worker:"
+    signed = json.loads(client.get(key + "d0"))
+    client.set(key + "evil", _worker("evil", role="decode").to_json())  # unsigned
+    client.set(key + "d0-moved", json.dumps({**signed, "grpc_address": "127.0.0.1:6666"}))
+    client.set(key + "d0-copy", json.dumps(signed))  # replayed under another id
+    WorkerRegistry(client, MODEL, ttl_s=30, secret=b"other").register(_worker("stranger"))
+    client.set(key + "junk", b"\xff not json")
+    with caplog.at_level("WARNING", logger="baton.common.index.registry"):
+        assert registry.list() == [d0, p0]
+        assert registry.list(role="decode") == [d0]
+    assert registry.get("evil") is None and registry.get("d0") == d0
+    assert registry.num_rejected == 2 * 5 + 1
+    warned = sorted(r.getMessage().split("'")[1] for r in caplog.records)
+    assert warned == ["d0-copy", "d0-moved", "evil", "junk", "stranger"]
+    # A reader without a secret sees every parseable record, as before secrets existed.
+    client.delete(key + "junk")
+    assert {w.id for w in WorkerRegistry(client, MODEL, ttl_s=30).list()} == {"d0", "p0", "evil", "stranger"}
+
+
+def test_a_signed_heartbeat_keeps_its_worker_listed(client):
+    registry = WorkerRegistry(client, MODEL, ttl_s=0.6, secret=b"s")
+    with Heartbeat(registry, _worker("p0")):
+        assert wait_until(lambda: registry.list() == [_worker("p0")], 1.0)
+        assert wait_until(lambda: False, 1.0) is False  # past the TTL: kept alive by the beats
+        assert registry.list() == [_worker("p0")] and registry.num_rejected == 0

@@ -8,6 +8,8 @@ import stat
 import pytest
 import redis
 
+from baton.common.index.auth import split_credentials, with_credentials
+from baton.common.index.client import connect
 from baton.common.index.server import (
     EmbeddedRedis,
     EmbeddedRedisConfig,
@@ -92,3 +94,24 @@ def _script(folder, body: str) -> str:
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return str(path)
+
+
+def test_a_password_refuses_unauthenticated_clients_and_stays_off_the_command_line():
+    password = 'p@ss "word"\\ with: spaces/&#'  # every kind of character redis.conf or a URL escapes
+    with EmbeddedRedis(EmbeddedRedisConfig(password=password)) as server:
+        bare, _, in_url = split_credentials(server.url)
+        assert in_url == password and bare == f"redis://127.0.0.1:{server.port}/0"
+        anonymous = redis.Redis.from_url(bare)
+        with pytest.raises(redis.AuthenticationError):  # NOAUTH
+            anonymous.set("k", "v")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(with_credentials(bare, None, "wrong")).ping()
+        assert connect(server.url).set("k", "v")
+        assert connect(with_credentials(bare, None, password)).get("k") == b"v"
+        assert ping("127.0.0.1", server.port)  # a server asking for a password still answers
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert password.encode() not in cmdline
+        conf = os.path.join(server._workdir, "auth.conf")  # the password's only copy on disk
+        assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+        anonymous.close()
