@@ -156,13 +156,19 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="PEM CA of the other services: verify them, and require their client certificates (mutual TLS)",
     )
+    p.add_argument(
+        "--grpc-tls-server-name",
+        default=None,
+        help="check every server's certificate against this name, not the address dialled (one "
+        "certificate shared by services whose addresses are not known in advance, as pods)",
+    )
 
 
 def _tls(a: argparse.Namespace):
     """The ``GrpcTLS`` of ``a``'s flags (ValueError for a bad combination or a missing file)."""
     from baton.services.grpc_tls import GrpcTLS
 
-    return GrpcTLS(a.grpc_tls_cert, a.grpc_tls_key, a.grpc_tls_ca)
+    return GrpcTLS(a.grpc_tls_cert, a.grpc_tls_key, a.grpc_tls_ca, a.grpc_tls_server_name)
 
 
 def _bad_tls(a: argparse.Namespace) -> int | None:
@@ -182,6 +188,8 @@ def _tls_flags(a: argparse.Namespace) -> list[str]:
         value = getattr(a, f"grpc_tls_{name}")
         if value:
             flags += [f"--grpc-tls-{name}", os.path.abspath(value)]
+    if a.grpc_tls_server_name:
+        flags += ["--grpc-tls-server-name", a.grpc_tls_server_name]
     return flags
 
 
