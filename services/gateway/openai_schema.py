@@ -9,7 +9,7 @@ strings are bounded in number and length.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
@@ -33,6 +33,11 @@ MAX_STOP_STRINGS = 16
 against the output's tail at every step, so their number and length are what a step costs."""
 MAX_STOP_CHARS = 1024
 """Longest stop string, in characters."""
+COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` of a completion that does not give one: OpenAI's and vLLM's default. A chat
+completion has none (as vLLM: as many tokens as the context leaves)."""
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+"""OpenAI's message roles; any other is a 400 naming ``messages``."""
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 _INT64 = 2**63
@@ -73,7 +78,9 @@ class _GenerationRequest(_Body):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=INT32_MAX)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="At most this many tokens; absent or null, as many as fit"
+    )
     temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
@@ -190,6 +197,12 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], PromptSchema]
+    max_tokens: int | None = Field(
+        COMPLETION_MAX_TOKENS,
+        ge=1,
+        le=INT32_MAX,
+        description=f"At most this many tokens: {COMPLETION_MAX_TOKENS} if absent; null, as many as fit",
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -212,7 +225,7 @@ class ContentPart(_Body):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict[str, Any]:

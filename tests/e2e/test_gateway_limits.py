@@ -383,6 +383,8 @@ BAD = [
     ("prompt", "/v1/completions", {"prompt": [1, "a"]}),
     ("messages", "/v1/chat/completions", {"messages": []}),
     ("messages", "/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("messages", "/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}),
+    ("messages", "/v1/chat/completions", {"messages": [*CHAT, {"role": "wizard", "content": "hi"}]}),
     ("stop", "/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}),
     ("stop", "/v1/completions", {"prompt": "hi", "stop": "s" * 1025}),
     ("stop", "/v1/completions", {"prompt": "hi", "stop": [""]}),
@@ -424,6 +426,16 @@ def test_a_surrogate_in_chat_content_is_400(http):
     raw = b'{"messages": [{"role": "user", "content": "x\\ud800"}]}'
     r = http.post("/v1/chat/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"})
     _assert_error(r, 400)
+
+
+def test_a_completion_without_max_tokens_stops_at_16(http):
+    """OpenAI's and vLLM's default for /v1/completions (a chat has none: as many as fit)."""
+    bare = http.post("/v1/completions", json={"prompt": "0"}, headers=AUTH)
+    assert bare.status_code == 200, bare.text
+    assert bare.json()["usage"]["completion_tokens"] <= 16  # fewer if the model ends it
+    whole = http.post("/v1/completions", json={"prompt": "0", "ignore_eos": True}, headers=AUTH)
+    assert whole.json()["usage"]["completion_tokens"] == 16, whole.text
+    assert whole.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_the_limits_leave_good_requests_alone(http):

@@ -1,17 +1,26 @@
 """The gateway's front door as pure logic: bearer tokens and key checks, the admission counter,
-strict JSON, union errors, and the CLI's front-door settings (flags and ``BATON_API_KEY``)."""
+strict JSON, union errors, request defaults and roles, and the CLI's front-door settings (flags and
+``BATON_API_KEY``)."""
 
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
+from pydantic import ValidationError
 
 from baton.services.cli import _front_door, build_parser
 from baton.services.gateway.admission import Admission
 from baton.services.gateway.auth import KeyCheck, bearer_token, is_protected
 from baton.services.gateway.body import loads
 from baton.services.gateway.errors import APIError, validation_error
+from baton.services.gateway.openai_schema import (
+    COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Role,
+)
 
 
 @pytest.mark.parametrize(
@@ -96,6 +105,40 @@ def test_a_union_failure_names_the_forms():
         [{"type": "x", "loc": ("body", "messages", 0, "role"), "msg": "Field required"}]
     )
     assert single.param == "messages" and single.message == "invalid value for 'messages': Field required"
+
+
+def test_a_completion_without_max_tokens_makes_16_and_a_chat_as_many_as_fit():
+    def max_tokens(request_type, **body) -> int | None:
+        return request_type.model_validate(body).sampling_params().max_tokens
+
+    assert COMPLETION_MAX_TOKENS == 16  # OpenAI's and vLLM's default for /v1/completions
+    assert max_tokens(CompletionRequest, prompt="0") == 16
+    assert max_tokens(CompletionRequest, prompt="0", max_tokens=1000) == 1000
+    assert max_tokens(CompletionRequest, prompt="0", max_tokens=None) is None  # asked for: to the context
+    chat = [{"role": "user", "content": "hi"}]
+    assert max_tokens(ChatCompletionRequest, messages=chat) is None  # vLLM's chat default
+    assert max_tokens(ChatCompletionRequest, messages=chat, max_completion_tokens=5) == 5
+
+
+def _chat_error(messages: list[dict]) -> APIError:
+    """The gateway's 400 for a chat body pydantic refuses (FastAPI puts "body" before each loc)."""
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    return validation_error([{**err, "loc": ("body", *err["loc"])} for err in e.value.errors()])
+
+
+@pytest.mark.parametrize("role", ["", "User", "bot", "ipython", None, 1])
+def test_a_role_outside_openais_is_a_400_naming_messages(role):
+    error = _chat_error([{"role": "user", "content": "hi"}, {"role": role, "content": "hi"}])
+    assert (error.status, error.type, error.param) == (400, "invalid_request_error", "messages")
+    assert all(f"'{name}'" in error.message for name in get_args(Role)), error.message
+
+
+def test_every_openai_role_is_accepted():
+    roles = ["system", "user", "assistant", "tool", "developer", "function"]
+    assert sorted(get_args(Role)) == sorted(roles)
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": r, "content": "x"} for r in roles]})
+    assert [m.for_template()["role"] for m in body.messages] == roles
 
 
 def _gateway_args(*extra: str):
