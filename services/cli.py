@@ -194,8 +194,10 @@ def _tls_flags(a: argparse.Namespace) -> list[str]:
 
 
 def _pin(a: argparse.Namespace, torch_threads: bool = True) -> int | None:
-    """Apply ``--cpus``; an exit code when it is bad."""
+    """Apply ``--cpus`` (without it, torch's threads follow the CPU quota); an exit code when it is bad."""
     if a.cpus is None:
+        if torch_threads:
+            _threads_from_quota()
         return None
     from baton.services.procs import parse_cpu_list, pin_to_cpus
 
@@ -205,6 +207,20 @@ def _pin(a: argparse.Namespace, torch_threads: bool = True) -> int | None:
         print(f"error: --cpus {a.cpus}: {e}", file=sys.stderr)
         return 2
     return None
+
+
+def _threads_from_quota() -> None:
+    """Torch's threads no more than the cgroup's CPU quota allows (a pod's CPU limit): a 2-CPU pod
+    on a 64-core node would otherwise start 64 threads and have them throttled."""
+    from baton.services.cpu_quota import cpu_quota, quota_threads
+
+    cores = len(os.sched_getaffinity(0))
+    threads = quota_threads(cpu_quota(), cores)
+    if threads < cores:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -442,11 +458,15 @@ def _bad_tensor_parallel(a: argparse.Namespace, moves_kv: bool) -> int | None:
 
 def cmd_decode(a: argparse.Namespace) -> int:
     from baton.services.decode.worker import DecodeWorkerConfig, serve
+    from baton.services.pod_cost import pod_from_env
 
     if (code := _bad_tls(a) or _pin(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
     config = DecodeWorkerConfig(
-        **_worker_kwargs(a), remote_prefill_threshold=a.remote_prefill_threshold, colocated=a.colocated
+        **_worker_kwargs(a),
+        remote_prefill_threshold=a.remote_prefill_threshold,
+        colocated=a.colocated,
+        pod=pod_from_env(os.environ),
     )
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 

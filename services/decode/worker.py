@@ -42,6 +42,7 @@ from baton.services import tp_transfer
 from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
+from baton.services.pod_cost import PodRef
 from baton.services.worker_base import (
     advertised,
     build_engine,
@@ -82,6 +83,9 @@ class DecodeWorkerConfig:
     """Prompts with fewer uncached tokens than this are prefilled here."""
     colocated: bool = False
     """Prefill every prompt here: no KV receiver, never a prefill worker."""
+    pod: PodRef | None = None
+    """The Kubernetes pod this worker runs in, whose deletion cost it keeps at its running requests
+    (``services/pod_cost.py``); None outside one."""
     prefill_timeout_s: float = 60.0
     """Bound on one remote prefill (RPC and transfer); past it the prompt is recomputed here."""
     prefill_stall_timeout_s: float = 5.0
@@ -215,6 +219,7 @@ class DecodeWorker:
         self._watcher: asyncio.Task | None = None
         self._registry_outage = OutageLog(log, "worker registry (prefill workers)")
         self._metrics_server = None
+        self._pod_cost = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -277,6 +282,10 @@ class DecodeWorker:
         )
         if cfg.redis_url:
             self._start_heartbeat(llm_engine)
+        if cfg.pod is not None:
+            from baton.services.pod_cost import start_reporter
+
+            self._pod_cost = start_reporter(cfg.pod, lambda: llm_engine.stats()["num_requests_running"])
         if self._remote is not None:
             await self._refresh_prefill_workers()
             self._watcher = asyncio.create_task(self._watch_prefill_workers())
@@ -370,6 +379,8 @@ class DecodeWorker:
             await asyncio.gather(self._watcher, return_exceptions=True)
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._pod_cost is not None:
+            self._pod_cost.stop()
         if self._server is not None:
             # Drained or dead: every work call has ended, what is left (health watches) needs no grace.
             await self._server.stop(grace=0.2 if self._gate.refusal is not None else 2.0)
