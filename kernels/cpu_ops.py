@@ -1,16 +1,14 @@
-"""CPU kernels (a torch C++ extension, JIT-built on first use) and their Python wrappers.
+"""CPU kernels (a torch C++ extension, built ahead of serving) and their Python wrappers.
 
-``load()`` compiles every ``cpu/*.cpp`` into one module (``cpu/bindings.cpp`` holds the Python
-bindings) with ``-O3 -march=native -ffp-contract=off`` into ``$BATON_KERNEL_CACHE`` (default
-``~/.cache/baton/kernels``), in a folder named by a hash of the sources, the flags, the torch version
-and the CPU, so an edit or another machine rebuilds. Importing this module builds nothing;
-``baton build-kernels`` (run by ``make install`` and the image) builds ahead of serving, and a
-worker's warm-up builds a missing or stale one before it reports ready. Building needs a C++
-compiler and ``ninja``.
-
-``-ffp-contract=off``: no FMA contraction of separate products and sums, so the fused elementwise ops
-round like torch's eager ops (bit-identical in fp32); kernels that want FMAs use the intrinsics.
-"""
+``build(level)`` compiles every ``cpu/*.cpp`` into one module (``cpu/bindings.cpp`` holds the Python
+bindings) with ``-O3 -ffp-contract=off`` and the level's ``-march`` into ``$BATON_KERNEL_CACHE``
+(default ``~/.cache/baton/kernels``), in a folder named by a hash of the sources, the flags and the
+torch version. The ``native`` level (``-march=native``, what ``make install`` builds) is named by the
+CPU's flags too, so another machine rebuilds; the portable levels of ``isa.LEVELS`` (what an image's
+builder makes, ``baton build-kernels --isa all``) are not, and ``load()`` imports the best one the
+CPU runs: a pod on another CPU neither recompiles nor needs a compiler. Importing this module builds
+nothing; a worker's warm-up builds ``native`` when nothing built fits, before it reports ready.
+Building needs a C++ compiler and ``ninja``; importing a build writes nothing."""
 
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import os
-import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,22 +25,13 @@ from types import ModuleType
 
 import torch
 
+from baton.kernels import isa
+
 _SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 
 
 def _sources() -> list[Path]:
     return sorted(_SOURCE_DIR.glob("*.cpp"))
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _openmp_flags() -> tuple[list[str], list[str]]:
@@ -90,39 +79,60 @@ class _Spec:
     ldflags: list[str]
 
 
-def _spec() -> _Spec:
+def _spec(level: str = isa.NATIVE) -> _Spec:
+    """The build for ``level``: ``native`` (``-march=native``, named by this CPU's flags too, so that
+    another CPU never imports it) or one of ``isa.LEVELS`` (portable: the same name on any CPU)."""
     omp_cflags, omp_ldflags = _openmp_flags()
-    cflags = ["-O3", "-march=native", "-ffp-contract=off", *omp_cflags]
+    arch = ["-march=native"] if level == isa.NATIVE else list(isa.by_name(level).cflags)
+    cflags = ["-O3", *arch, "-ffp-contract=off", *omp_cflags]
     sources = _sources()
     key = hashlib.sha256()
     for src in sources:
         key.update(src.name.encode())
         key.update(hashlib.sha256(src.read_bytes()).digest())
-    for part in (
-        repr(cflags).encode(),
-        repr(omp_ldflags).encode(),
-        torch.__version__.encode(),
-        _cpu_flags().encode(),
-    ):
-        key.update(part)
-    return _Spec(f"baton_cpu_kernels_{key.hexdigest()[:16]}", sources, cflags, omp_ldflags)
+    parts = [repr(cflags), repr(omp_ldflags), torch.__version__]
+    if level == isa.NATIVE:
+        parts.append(isa.cpu_flags_line())
+    for part in parts:
+        key.update(part.encode())
+    tag = "" if level == isa.NATIVE else level.replace("-", "_") + "_"
+    return _Spec(f"baton_cpu_kernels_{tag}{key.hexdigest()[:16]}", sources, cflags, omp_ldflags)
 
 
-def build_dir(root: Path | None = None) -> Path:
-    """The folder this machine's build lives in under ``root`` (default ``cache_root()``): a new
-    name whenever a source, a flag, torch or the CPU changes, so a stale build is never reused."""
-    return (root or cache_root()).expanduser() / _spec().name
+def choose(root: Path | None = None) -> str:
+    """The build this process imports: ``BATON_KERNEL_ISA`` if set; else this CPU's own
+    (``native``) where it is built; else the best built level this CPU runs (an image's); else
+    ``native``, compiled (a compiler is then needed)."""
+    forced = os.environ.get("BATON_KERNEL_ISA")
+    if forced:
+        return isa.parse(forced)[0]
+    if is_built(root, isa.NATIVE):
+        return isa.NATIVE
+    for level in isa.runnable(isa.cpu_flags()):
+        if is_built(root, level.name):
+            return level.name
+    return isa.NATIVE
 
 
-def library(root: Path | None = None) -> Path:
-    """The shared library ``load()`` builds into ``build_dir(root)`` and imports."""
-    return build_dir(root) / f"{_spec().name}.so"
+def build_dir(root: Path | None = None, level: str | None = None) -> Path:
+    """The folder ``level``'s build (default: ``choose(root)``) lives in under ``root`` (default
+    ``cache_root()``): a new name whenever a source, a flag or torch changes (and, for ``native``,
+    the CPU), so a stale build is never reused."""
+    return (root or cache_root()).expanduser() / _spec(level or choose(root)).name
 
 
-def is_built(root: Path | None = None) -> bool:
-    """Whether ``load(root)`` would only import, not compile: the current build's library exists
-    (a missing library, such as an interrupted build's, or a stale hash means a compile)."""
-    return library(root).is_file()
+def library(root: Path | None = None, level: str | None = None) -> Path:
+    """The shared library of ``level``'s build (default: ``choose(root)``) under ``root``."""
+    level = level or choose(root)
+    return build_dir(root, level) / f"{_spec(level).name}.so"
+
+
+def is_built(root: Path | None = None, level: str | None = None) -> bool:
+    """Whether ``level``'s library (default: the one ``load(root)`` would import) exists, so that
+    loading it only imports (a missing library, such as an interrupted build's, means a compile)."""
+    if level is None:
+        level = choose(root)
+    return (build_dir(root, level) / f"{_spec(level).name}.so").is_file()
 
 
 @contextlib.contextmanager
@@ -137,24 +147,59 @@ def _build_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-@functools.cache
-def load(root: Path | None = None) -> ModuleType:
-    """Build (once per source/flags/machine) into ``build_dir(root)`` and import the CPU kernel
-    extension. Workers call it through their warm-up, before they report ready."""
+def build(root: Path | None = None, level: str = isa.NATIVE) -> Path:
+    """Compile ``level``'s build under ``root`` unless it is there; import nothing (a level this
+    CPU cannot run is built all the same: an image's builder makes every level). Returns the
+    library. torch's own ``load`` would import what it builds."""
     from torch.utils import cpp_extension
 
-    spec = _spec()
-    directory = build_dir(root)
+    spec = _spec(level)
+    directory = build_dir(root, level)
+    lib = directory / f"{spec.name}.so"
+    if lib.is_file():
+        return lib
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
-        module = cpp_extension.load(
-            name=spec.name,
-            sources=[str(src) for src in spec.sources],
-            extra_cflags=spec.cflags,
-            extra_ldflags=spec.ldflags,
-            build_directory=str(directory),
-            verbose=False,
+        if not lib.is_file():
+            # torch.utils.cpp_extension.load minus its import (torch is pinned; test_build_kernels runs it).
+            cpp_extension._write_ninja_file_and_build_library(
+                name=spec.name,
+                sources=[str(src) for src in spec.sources],
+                extra_cflags=spec.cflags,
+                extra_cuda_cflags=[],
+                extra_sycl_cflags=[],
+                extra_ldflags=spec.ldflags,
+                extra_include_paths=[],
+                build_directory=str(directory),
+                verbose=False,
+                with_cuda=False,
+                with_sycl=False,
+            )
+    return lib
+
+
+def _import(lib: Path) -> ModuleType:
+    """Import a built library as the Python module it is (nothing is written: a read-only cache
+    or root filesystem serves)."""
+    name = lib.name.removesuffix(".so")
+    spec = importlib.util.spec_from_file_location(name, lib)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the CPU kernels from {lib}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load(root: Path | None = None) -> ModuleType:
+    """Import the build ``choose(root)`` names, compiling it first if it is missing (once per
+    source/flags/machine). Workers call it through their warm-up, before they report ready."""
+    level = choose(root)
+    if level != isa.NATIVE and level not in {lv.name for lv in isa.runnable(isa.cpu_flags())}:
+        raise RuntimeError(
+            f"BATON_KERNEL_ISA={level}: this CPU lacks {sorted(isa.by_name(level).requires - isa.cpu_flags())}"
         )
+    module = _import(build(root, level))
     global _loaded
     _loaded = module
     return module

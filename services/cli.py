@@ -254,23 +254,43 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 
 
 def cmd_build_kernels(a: argparse.Namespace) -> int:
-    """Compile the CPU kernels into the cache ahead of serving (``make install`` and the image
-    run it); a second run finds the build and only imports it."""
+    """Compile the CPU kernels into the cache ahead of serving (``make install`` builds this CPU's
+    own, an image's builder every portable level); a second run finds each build and only says so."""
     import time
     from pathlib import Path
 
-    from baton.kernels import cpu_ops
+    from baton.kernels import cpu_ops, isa
 
     root = Path(a.cache_dir) if a.cache_dir else cpu_ops.cache_root()
-    fresh = not cpu_ops.is_built(root)
-    start = time.perf_counter()
     try:
-        cpu_ops.load(root)
-    except (RuntimeError, OSError) as e:  # no compiler or ninja, or the build failed: torch says which
-        print(f"error: could not build the CPU kernels into {cpu_ops.build_dir(root)}: {e}", file=sys.stderr)
-        return 1
-    verb = "built" if fresh else "already built"
-    print(f"CPU kernels {verb}: {cpu_ops.library(root)} ({time.perf_counter() - start:.1f} s)")
+        levels = isa.parse(a.isa)
+    except ValueError as e:
+        print(f"error: --isa: {e}", file=sys.stderr)
+        return 2
+    for level in levels:
+        fresh = not cpu_ops.is_built(root, level)
+        start = time.perf_counter()
+        try:
+            lib = cpu_ops.build(root, level)
+            if level == isa.NATIVE:
+                cpu_ops.load(root)  # this CPU's build must also import here
+        except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, or the build failed
+            where = cpu_ops.build_dir(root, level)
+            print(f"error: could not build the CPU kernels into {where}: {e}", file=sys.stderr)
+            return 1
+        verb = "built" if fresh else "already built"
+        print(f"CPU kernels {verb}: {lib} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_secrets(a: argparse.Namespace) -> int:
+    """Make the cluster's shared secrets under a folder, keeping any already there."""
+    from pathlib import Path
+
+    from baton.services import secrets
+
+    written = secrets.init(Path(a.directory))
+    print(f"secrets in {a.directory}: " + (f"wrote {', '.join(written)}" if written else "all there, kept"))
     return 0
 
 
@@ -676,7 +696,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="build under this folder (default: BATON_KERNEL_CACHE, else ~/.cache/baton/kernels)",
     )
+    bk.add_argument(
+        "--isa",
+        default="native",
+        help="native (this CPU's own, the default), all, or a comma-separated list of portable x86 "
+        "levels (amx, avx512-bf16, avx2): an image builds all, and a process imports the best its CPU runs",
+    )
     bk.set_defaults(func=cmd_build_kernels)
+
+    sec = sub.add_parser(
+        "secrets", help="make a cluster's Redis password, record key and internal TLS identity (compose runs it)"
+    )
+    sec.add_argument("directory", help="where to write them; files already there are kept")
+    sec.set_defaults(func=cmd_secrets)
 
     up = sub.add_parser("up", help="a local cluster: Redis, decode workers and the gateway")
     up.add_argument(

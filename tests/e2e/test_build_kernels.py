@@ -110,3 +110,69 @@ def test_build_kernels_reports_a_failed_build_in_one_line(tmp_path):
     assert done.returncode == 1
     assert "error: could not build the CPU kernels" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- portable levels: what an image's builder makes, and what a CPU it lands on imports ------------
+LEVEL_CHECK = textwrap.dedent(
+    """
+    import os, sys, torch
+    from baton.kernels import cpu_ops, reference
+    module = cpu_ops.load()
+    print(os.path.basename(module.__file__))
+    q = torch.randn(3, 9, 64)
+    k = torch.randn(8, 3, 16, 64)
+    v = torch.randn(8, 3, 16, 64)
+    tables = torch.tensor([[0, 1, 2], [3, 4, -1], [5, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor([40, 17, 48], dtype=torch.int32)
+    got = cpu_ops.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    want = reference.paged_decode_attention_ref(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    print(f"bf16_gemm={cpu_ops.bf16_gemm_available()}")
+    """
+)
+
+
+def _snapshot(folder: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_a_portable_level_is_imported_by_a_cpu_that_runs_it_and_nothing_is_written(tmp_path):
+    from baton.kernels import isa
+
+    cache = tmp_path / "image-cache"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "baton.services.cli",
+            "build-kernels",
+            "--isa",
+            "avx2",
+            "--cache-dir",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    ((verb, library, _),) = REPORT.findall(done.stdout)
+    assert verb == "built" and Path(library).name.startswith("baton_cpu_kernels_avx2_")
+    for leftover in Path(library).parent.glob("*.o"):
+        leftover.unlink()  # as the image's builder leaves it: the library alone
+    if "avx2" not in isa.cpu_flags():
+        pytest.skip("this CPU cannot run the avx2 level")
+    before = _snapshot(cache)
+    # No native build there and none for a better level: the avx2 library is imported as it is.
+    run = subprocess.run(
+        [sys.executable, "-c", LEVEL_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "BATON_KERNEL_CACHE": str(cache), "BATON_KERNEL_ISA": ""},
+    )
+    assert run.returncode == 0, run.stderr
+    name, flag = run.stdout.split()
+    assert name == Path(library).name
+    assert flag == "bf16_gemm=False", "an avx2 build carries no AVX512-BF16 kernel"
+    assert _snapshot(cache) == before, "importing a build wrote into the cache"

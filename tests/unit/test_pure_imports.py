@@ -21,6 +21,7 @@ PURE_MODULES = [
     "baton.common.engine.scheduler",
     "baton.common.engine.step_shapes",
     "baton.kernels.kv_cache_dtypes",
+    "baton.kernels.isa",
     "baton.services.cli",
 ]
 
