@@ -159,6 +159,25 @@ class TransferCollector:
         yield t
 
 
+class RegistryRejectsCollector:
+    """``baton:registry_rejected_records_total``: worker records a registry reader left out because
+    their MAC was missing or wrong (``WorkerRegistry.num_rejected``; ``count`` reads it, 0 before
+    the registry exists)."""
+
+    def __init__(self, count, labels: dict[str, str]):
+        self.count = count
+        self.labels = labels
+
+    def collect(self):
+        c = CounterMetricFamily(
+            "baton:registry_rejected_records",
+            "Worker registry records read and ignored: no valid MAC under the cluster secret.",
+            labels=list(self.labels),
+        )
+        c.add_metric(list(self.labels.values()), self.count())
+        yield c
+
+
 class RequestMetrics:
     """Per-request latencies, observed by whoever streams the tokens."""
 

@@ -18,6 +18,7 @@ import os
 import sys
 
 from baton.kernels import kv_cache_dtypes
+from baton.services import cluster_auth
 
 
 def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
@@ -137,6 +138,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick one)")
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--redis-url", default=None, help="registry to join")
+    cluster_auth.add_args(p)
     p.add_argument("--worker-id", default="")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "nccl"])
     p.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 or 0-1 (default: all)")
@@ -428,19 +430,32 @@ def _serve_gateway(config) -> int:
     return 0
 
 
-def _worker_kwargs(a: argparse.Namespace) -> dict:
-    """The config fields a prefill and a decode worker share, from their common flags."""
+def _cluster_auth(a: argparse.Namespace):
+    """``a``'s Redis credentials and cluster secret, with the environment's (read here, once); None,
+    having said why, when a secret file cannot be read."""
+    try:
+        return cluster_auth.from_args(a, os.environ)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _worker_kwargs(a: argparse.Namespace, auth: cluster_auth.ClusterAuth | None = None) -> dict:
+    """The config fields a prefill and a decode worker share, from their common flags and ``auth``
+    (``_cluster_auth``; None: no credentials)."""
     from baton.common.engine.llm_engine import EngineConfig
     from baton.common.transfer import TransferConfig
     from baton.services.worker_base import advertised
 
+    auth = auth or cluster_auth.ClusterAuth()
     return dict(
         engine=EngineConfig(**_engine_kwargs(a)),
         host=a.host,
         advertise_host=a.advertise_host,
         grpc_port=a.port,
         metrics_port=a.metrics_port,
-        redis_url=a.redis_url,
+        redis_url=auth.url(a.redis_url) if a.redis_url else None,
+        cluster_secret=auth.secret,
         worker_id=a.worker_id,
         # The KV transport listens on, and names in its descriptor, the advertised address.
         transfer=TransferConfig(backend=a.kv_transport, host=advertised(a.host, a.advertise_host)),
@@ -482,8 +497,10 @@ def cmd_decode(a: argparse.Namespace) -> int:
 
     if (code := _bad_tls(a) or _pin(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
+    if (auth := _cluster_auth(a)) is None:
+        return 2
     config = DecodeWorkerConfig(
-        **_worker_kwargs(a),
+        **_worker_kwargs(a, auth),
         remote_prefill_threshold=a.remote_prefill_threshold,
         colocated=a.colocated,
         pod=pod_from_env(os.environ),
@@ -498,8 +515,12 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         return code
     if (code := _bad_tensor_parallel(a, moves_kv=True)) is not None:
         return code
+    if (auth := _cluster_auth(a)) is None:
+        return 2
     a.speculative = None  # a prefill worker returns the first token only: nothing to speculate
-    config = PrefillWorkerConfig(**_worker_kwargs(a), fault_pause_after_blocks=a.fault_pause_after_blocks)
+    config = PrefillWorkerConfig(
+        **_worker_kwargs(a, auth), fault_pause_after_blocks=a.fault_pause_after_blocks
+    )
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
 
@@ -547,14 +568,19 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
     if (code := _bad_tls(a) or _pin(a, torch_threads=False)) is not None:
         return code
-    if (front := _front_door(a)) is None:
+    if (front := _front_door(a)) is None or (auth := _cluster_auth(a)) is None:
+        return 2
+    if a.expect_prefill < 0:
+        print("error: --expect-prefill must be at least 0", file=sys.stderr)
         return 2
     config = GatewayConfig(
         **front,
         host=a.host,
         port=a.port,
         model=a.model,
-        redis_url=a.redis_url,
+        redis_url=auth.url(a.redis_url),
+        cluster_secret=auth.secret,
+        expect_prefill=a.expect_prefill,
         block_size=a.block_size,
         max_migrations=a.max_migrations,
         stream_progress_timeout_s=a.stream_progress_timeout,
@@ -595,7 +621,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     if (code := _bad_tls(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
-    if (front := _front_door(a)) is None:
+    if (front := _front_door(a)) is None or (auth := _cluster_auth(a)) is None:
         return 2
     return run_cluster(
         UpConfig(
@@ -620,6 +646,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             cpus=a.cpus,
             drain_timeout_s=a.drain_timeout,
             metrics_port=a.metrics_port,
+            auth=auth,
             **front,
         )
     )
@@ -769,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workers first, e.g. '0|1' (default: as the layout decides)",
     )
     _engine_args(up, dtype="auto")
+    cluster_auth.add_args(up)
     _front_door_args(up)
     _migration_args(up)
     _tls_args(up)
@@ -794,6 +822,14 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=8000)
     gw.add_argument("--model", default=None)
     gw.add_argument("--redis-url", required=True)
+    cluster_auth.add_args(gw)
+    gw.add_argument(
+        "--expect-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="/ready waits until N prefill workers are registered (baton up sets its pool's size)",
+    )
     gw.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
     gw.add_argument("--cpus", default=None, help="run on these cores only, e.g. 0 (default: all)")
     _drain_args(gw)

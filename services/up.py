@@ -1,5 +1,8 @@
 """``baton up``: Redis (embedded unless ``REDIS_URL``), prefill workers, decode workers and the
-gateway as separate processes; waits until the gateway is ready and prints its URL. Then it
+gateway as separate processes; waits until the gateway is ready and prints its URL. Its doors are
+locked: the embedded Redis asks a fresh password, the workers sign their registry records with a
+fresh cluster secret, and the children get both in their environment, never on a command line
+(``services/cluster_auth.py``). Then it
 supervises them: a service that exits (any code, or killed) is restarted with backoff
 (``procs.Backoff``) while the others keep serving, each restart logged with the exit code and
 counted in ``baton:service_restarts_total{service=...}`` on its own ``/metrics`` (printed at start).
@@ -15,9 +18,10 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from baton.common.launch import python_module
+from baton.services.cluster_auth import ClusterAuth
 from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
 
 STOP_MARGIN_S = 10.0
@@ -73,6 +77,28 @@ class UpConfig:
     """How long each service gets, on stop, to finish what it has in flight (``--drain-timeout``)."""
     metrics_port: int = 0
     """Port of the supervisor's own ``/metrics`` (restarts); 0 picks a free one."""
+    auth: ClusterAuth = ClusterAuth()
+    """Redis credentials and cluster secret given to ``baton up``; what is missing is generated
+    (``cluster_credentials``)."""
+
+
+def cluster_credentials(auth: ClusterAuth, redis_url: str | None) -> tuple[str | None, ClusterAuth]:
+    """The Redis URL for the children's command lines (no credentials in it: ``ps`` shows it) and
+    what they authenticate with, through their environment. An embedded Redis (``redis_url``
+    None) gets a fresh password unless ``auth`` has one; ``REDIS_URL``'s own password wins over
+    ``auth``'s; the cluster secret is ``auth``'s or a fresh one, so records of any other cluster
+    sharing the Redis are not this cluster's workers."""
+    import secrets
+
+    from baton.common.index.auth import split_credentials
+
+    if redis_url is None:
+        auth = replace(auth, redis_password=auth.redis_password or secrets.token_urlsafe(32))
+    else:
+        redis_url, user, password = split_credentials(redis_url)
+        if password is not None:
+            auth = replace(auth, redis_username=user, redis_password=password)
+    return redis_url, replace(auth, cluster_secret=auth.cluster_secret or secrets.token_urlsafe(32))
 
 
 def _front_cpus(pins: list[list[int]] | None, num_prefill: int) -> list[int]:
@@ -150,20 +176,34 @@ def _kill_now(group: ProcessGroup):
 
 
 def start_redis(
-    group: Supervisor, host: str, log_path: str | None, cpus: list[int], timeout_s: float = 10.0
+    group: Supervisor,
+    host: str,
+    log_path: str | None,
+    cpus: list[int],
+    password: str,
+    timeout_s: float = 10.0,
 ) -> tuple[str, str]:
-    """The embedded ``redis-server`` as the supervised child ``redis``, so that one that dies is
-    restarted on the same port (empty: workers register again at their next heartbeat). Returns
-    its URL and its work folder, which the caller removes."""
+    """The embedded ``redis-server`` as the supervised child ``redis``, asking ``password`` (from a
+    config file in its work folder, not its command line), so that one that dies is restarted on
+    the same port (empty: workers register again at their next heartbeat). Returns its URL
+    (without the password) and its work folder, which the caller removes."""
     import tempfile
 
-    from baton.common.index.server import find_redis_server, free_port, ping, server_args
+    from baton.common.index.server import (
+        find_redis_server,
+        free_port,
+        ping,
+        server_args,
+        write_password_config,
+    )
 
     binary = find_redis_server()
     workdir = tempfile.mkdtemp(prefix="baton-redis-")
+    conf = write_password_config(workdir, password)
     for _ in range(3):  # another process may take the free port before Redis binds it
         port = free_port(host)
-        group.spawn("redis", server_args(binary, host, port, workdir), log_path=log_path, cpus=cpus)
+        args = server_args(binary, host, port, workdir, conf)
+        group.spawn("redis", args, log_path=log_path, cpus=cpus)
         proc = dict(group.procs)["redis"]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
@@ -255,7 +295,7 @@ def run_cluster(cfg: UpConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="baton up: %(message)s")
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    url = os.environ.get("REDIS_URL")
+    url, auth = cluster_credentials(cfg.auth, os.environ.get("REDIS_URL") or None)
     try:
         on_restart, metrics_port = serve_restart_metrics(
             cfg.host, cfg.metrics_port, _service_names(num_prefill, cfg.decode, not url)
@@ -274,7 +314,8 @@ def run_cluster(cfg: UpConfig) -> int:
 
         front = _front_cpus(pins, num_prefill)
         if not url:
-            url, redis_dir = start_redis(group, cfg.host, log("redis"), front)
+            url, redis_dir = start_redis(group, cfg.host, log("redis"), front, auth.redis_password)
+        env = auth.child_env()
         drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
         n = 0
         for role, count in (("prefill", num_prefill), ("decode", cfg.decode)):
@@ -288,26 +329,10 @@ def run_cluster(cfg: UpConfig) -> int:
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1
-                group.spawn(f"{role}-{i}", args, log_path=log(f"{role}-{i}"))
-        gateway = [
-            *baton_command(),
-            "gateway",
-            "--host",
-            cfg.host,
-            "--port",
-            str(cfg.port),
-            "--redis-url",
-            url,
-        ]
-        gateway += [*cfg.gateway_args, *drain, *cfg.tls_args]
-        if cfg.model:
-            gateway += ["--model", cfg.model]
-        if front:
-            gateway += ["--cpus", format_cpu_list(front)]
-        gateway += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
-        gateway += ["--max-body-bytes", str(cfg.max_body_bytes)]
-        keys = {"BATON_API_KEY": ",".join(cfg.api_keys)} if cfg.api_keys else None
-        group.spawn("gateway", gateway, env=keys, log_path=log("gateway"))
+                group.spawn(f"{role}-{i}", args, env=env, log_path=log(f"{role}-{i}"))
+        keys = {"BATON_API_KEY": ",".join(cfg.api_keys)} if cfg.api_keys else {}
+        gateway = gateway_command(cfg, url, num_prefill, front)
+        group.spawn("gateway", gateway, env=env | keys, log_path=log("gateway"))
         base = f"http://{cfg.host}:{cfg.port}"
         deadline = time.monotonic() + cfg.ready_timeout_s
         wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
@@ -327,6 +352,24 @@ def run_cluster(cfg: UpConfig) -> int:
         _stop_cluster(group, cfg.drain_timeout_s)
         if redis_dir is not None:
             shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+def gateway_command(cfg: UpConfig, redis_url: str, num_prefill: int, cpus: list[int]) -> list[str]:
+    """The gateway's command line: its ``/ready`` waits for the ``num_prefill`` prefill workers
+    (``--expect-prefill``), so that ``baton up``, which waits on ``/ready``, is ready only once the
+    gateway routes to them. No secret is on it (``ps`` shows it): those go in its environment."""
+    from baton.services.procs import format_cpu_list
+
+    gateway = [*baton_command(), "gateway", "--host", cfg.host, "--port", str(cfg.port)]
+    gateway += ["--redis-url", redis_url, "--expect-prefill", str(num_prefill)]
+    gateway += [*cfg.gateway_args, "--drain-timeout", str(cfg.drain_timeout_s), *cfg.tls_args]
+    if cfg.model:
+        gateway += ["--model", cfg.model]
+    if cpus:
+        gateway += ["--cpus", format_cpu_list(cpus)]
+    gateway += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
+    gateway += ["--max-body-bytes", str(cfg.max_body_bytes)]
+    return gateway
 
 
 def _degree_flags(cfg: UpConfig, role: str) -> list[str]:

@@ -119,16 +119,18 @@ def start_heartbeat(
     load: Callable[[], dict[str, float]],
     publisher=None,
     engine: AsyncEngine | None = None,
+    secret: bytes | None = None,
 ) -> tuple[Heartbeat, WorkerRegistry]:
     """Register ``info`` and keep it alive with fresh ``load()`` figures on every beat. With the
     worker's ``publisher`` and ``engine``, a Redis that lost this worker (restarted empty) gets the
     whole prefix cache published again (``CachePublisher.resync``), so that prefix-aware routing
-    recovers without a restart."""
+    recovers without a restart. With the cluster's ``secret`` the record is signed, and the
+    returned registry lists only signed records (``WorkerRegistry``)."""
     from baton.common.index.client import connect
 
     if publisher is not None and engine is not None:
         publisher.snapshot_source = functools.partial(_snapshot_cache, publisher, engine)
-    registry = WorkerRegistry(connect(redis_url), model_name, ttl_s)
+    registry = WorkerRegistry(connect(redis_url), model_name, ttl_s, secret)
     on_forgotten = publisher.resync if publisher is not None else None
     heartbeat = Heartbeat(registry, lambda: info.with_load(**load()), on_forgotten=on_forgotten)
     heartbeat.start()

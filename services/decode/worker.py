@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -33,9 +33,15 @@ from baton.common.engine.async_engine import (
 )
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.outage import OutageLog
-from baton.common.index.registry import WorkerInfo
+from baton.common.index.registry import WorkerInfo, WorkerRegistry
 from baton.common.index.server import free_port
-from baton.common.metrics import EngineCollector, RequestMetrics, TransferCollector, stream_handoff
+from baton.common.metrics import (
+    EngineCollector,
+    RegistryRejectsCollector,
+    RequestMetrics,
+    TransferCollector,
+    stream_handoff,
+)
 from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
@@ -67,6 +73,9 @@ class DecodeWorkerConfig:
     metrics_port: int = 0
     redis_url: str | None = None
     """Registry to join; None runs unregistered (tests, a single worker)."""
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    """Signs this worker's registry record, and only records signed with it are trusted
+    (``common/index/record_mac.py``); None: records are neither signed nor checked."""
     grpc_tls: GrpcTLS = PLAINTEXT
     """TLS of this worker's gRPC server and of its channels to prefill workers."""
     advertise_host: str = ""
@@ -209,6 +218,8 @@ class DecodeWorker:
         self.kv_address = ""
         self._server: grpc.aio.Server | None = None
         self._heartbeat = None
+        self._registry: WorkerRegistry | None = None
+        """Set with the heartbeat; where the prefill workers are read."""
         self._publisher = None
         self._receiver = None
         self._remote: RemotePrefill | None = None
@@ -238,6 +249,7 @@ class DecodeWorker:
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
         registry.register(EngineCollector(llm_engine, labels))
+        registry.register(RegistryRejectsCollector(self._num_rejected, labels))
         metrics = RequestMetrics(registry, labels)
         if cfg.redis_url and not cfg.colocated:
             # One receiver per tensor- or pipeline-parallel rank, each into its own cache (tp_transfer).
@@ -316,8 +328,12 @@ class DecodeWorker:
 
         self._heartbeat, self._registry = start_heartbeat(
             cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load,
-            publisher=self._publisher, engine=self.engine,
+            publisher=self._publisher, engine=self.engine, secret=cfg.cluster_secret,
         )  # fmt: skip
+
+    def _num_rejected(self) -> int:
+        """Prefill worker records this worker left out for their MAC (0 before it registers)."""
+        return 0 if self._registry is None else self._registry.num_rejected
 
     async def _watch_prefill_workers(self) -> None:
         while True:
@@ -327,7 +343,7 @@ class DecodeWorker:
     async def _refresh_prefill_workers(self) -> None:
         """Read the prefill workers from the registry and connect to the new ones (a Redis blip
         keeps the last list; a worker that cannot be reached is tried again next time)."""
-        assert self._remote is not None
+        assert self._remote is not None and self._registry is not None
         try:
             workers = await asyncio.to_thread(self._registry.list, "prefill")
         except Exception as e:  # noqa: BLE001 - Redis away: keep the workers last seen

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from baton.common.metrics import RegistryRejectsCollector
 from baton.services.gateway import openapi
 from baton.services.gateway.admission import Admission, AdmissionMiddleware
 from baton.services.gateway.auth import APIKeyMiddleware
@@ -70,6 +71,12 @@ class GatewayConfig:
     """The name clients send as ``model``; None is the model's own name (``SmolLM2-135M-Instruct``)."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """The Redis that holds the worker registry."""
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    """Only worker records signed with it are routed to (``common/index/record_mac.py``); None:
+    every record is trusted."""
+    expect_prefill: int = 0
+    """``/ready`` waits for this many prefill workers in the router's list (``baton up`` sets its
+    pool's size), so that the first requests are prefilled where they are meant to be."""
     request_timeout_s: float = 600.0
     """Deadline of one decode request on its worker."""
     registry_refresh_s: float = 0.5
@@ -259,14 +266,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
     client = connect(config.redis_url)
     # The TTL only matters to writers; the gateway reads.
     index = PrefixIndex(client, source.name, max_entries=config.prefix_index_max_entries)
+    registry = WorkerRegistry(client, source.name, ttl_s=6.0, secret=config.cluster_secret)
     router = Router(
-        WorkerRegistry(client, source.name, ttl_s=6.0),
+        registry,
         config.registry_refresh_s,
         prefix_index=index,
         block_size=config.block_size,
         tls=config.grpc_tls,
     )
     gw = Gateway(config, load_tokenizer(source), source.name, router)
+    rejects = RegistryRejectsCollector(lambda: registry.num_rejected, {"model_name": gw.served_model})
+    gw.metrics.registry.register(rejects)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -397,11 +407,12 @@ def _add_service_routes(app: FastAPI, gw: Gateway) -> None:
     async def health() -> dict:
         return {"status": "ok"}
 
-    readiness = Readiness(gw.router)
+    readiness = Readiness(gw.router, expect_prefill=gw.config.expect_prefill)
 
     @app.get("/ready", response_model=None, responses=openapi.doc(openapi.Readiness, openapi.READY))
     async def ready() -> JSONResponse:
-        # Ready while a decode worker the router knows answers its health check, Redis or not.
+        # Ready while a decode worker the router knows answers its health check, Redis or not (and
+        # once the prefill workers expected are known).
         state = await readiness.check()
         return JSONResponse(state.body(), status_code=200 if state.ready else 503)
 

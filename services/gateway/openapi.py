@@ -97,7 +97,7 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
-    """``/ready``: 200 with ``decode_workers``, or 503 with ``reason``."""
+    """``/ready``: 200 with ``decode_workers`` and ``prefill_workers``, or 503 with ``reason``."""
 
     status: Literal["ready", "not ready"]
 
@@ -152,7 +152,12 @@ CHAT = {**_sse(ChatCompletionResponse), **_errors(400, 401, 404, 413, 429, 500, 
 MODELS = _errors(401, 413)
 MODEL = _errors(401, 404, 413)
 OPEN = _errors(413)
-READY = {503: {"model": Readiness, "description": "No decode worker, or the registry is unreachable"}}
+READY = {
+    503: {
+        "model": Readiness,
+        "description": "No decode worker, fewer prefill workers than expected, or the registry is unreachable",
+    }
+}
 WORKERS = _errors(401, 413, 503)
 METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus"}}
 

@@ -4,6 +4,9 @@ Not "whether Redis answers": the router keeps its last worker list while Redis i
 on it, so the gateway is ready as long as one of those decode workers says SERVING to a gRPC
 health check. The checks are short (``timeout_s``) and their result is reused for ``cache_s``, so
 a probe every second costs the workers little and a probe never waits on Redis.
+
+Where a prefill pool is expected (``--expect-prefill N``), the gateway is ready only once its
+router's list holds N prefill workers too: before that its requests would name no prefill worker.
 """
 
 from __future__ import annotations
@@ -28,19 +31,30 @@ class ReadyState:
     known: int
     """Decode workers in the router's list."""
     registry_reachable: bool
+    prefill: int = 0
+    """Prefill workers in the router's list."""
 
     def body(self) -> dict:
         registry = "ok" if self.registry_reachable else "unreachable"
         if self.ready:
-            return {"status": "ready", "decode_workers": self.serving, "registry": registry}
+            return {
+                "status": "ready",
+                "decode_workers": self.serving,
+                "prefill_workers": self.prefill,
+                "registry": registry,
+            }
         return {"status": "not ready", "reason": self.reason, "registry": registry}
 
 
 class Readiness:
     """Answers ``/ready`` from the router's workers and their gRPC health."""
 
-    def __init__(self, router: Router, timeout_s: float = 0.5, cache_s: float = 1.0) -> None:
+    def __init__(
+        self, router: Router, timeout_s: float = 0.5, cache_s: float = 1.0, expect_prefill: int = 0
+    ) -> None:
+        """``expect_prefill``: prefill workers the router must list before the gateway is ready."""
         self._router = router
+        self._expect_prefill = expect_prefill
         self._timeout_s = timeout_s
         self._cache_s = cache_s
         self._state: ReadyState | None = None
@@ -76,7 +90,11 @@ class Readiness:
         if not serving:
             reason = f"none of the {len(workers)} decode workers answers its health check"
             return ReadyState(False, reason, 0, len(workers), reachable)
-        return ReadyState(True, "", serving, len(workers), reachable)
+        prefill = len(self._router.prefill_workers)
+        if prefill < self._expect_prefill:
+            reason = f"{prefill} of the {self._expect_prefill} prefill workers expected are registered"
+            return ReadyState(False, reason, serving, len(workers), reachable, prefill)
+        return ReadyState(True, "", serving, len(workers), reachable, prefill)
 
     async def _serving(self, address: str) -> bool:
         try:

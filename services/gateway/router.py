@@ -118,6 +118,11 @@ class Router:
         """Whether the latest registry read succeeded (the worker list and loads are current)."""
         return self._registry_error is None
 
+    @property
+    def prefill_workers(self) -> list[WorkerInfo]:
+        """The prefill workers of the last registry read (what ``pick_prefill`` chooses from)."""
+        return self._prefill
+
     async def decode_workers(self) -> list[WorkerInfo]:
         """The decode workers of the last registry read, refreshed in the background once older
         than ``refresh_s``; waits (bounded) only while there is none to route on."""

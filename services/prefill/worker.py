@@ -78,6 +78,9 @@ class PrefillWorkerConfig:
     metrics_port: int = 0
     redis_url: str | None = None
     """Registry to join; None runs unregistered (tests, a single worker)."""
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    """Signs this worker's registry record, and only records signed with it are trusted
+    (``common/index/record_mac.py``); None: records are neither signed nor checked."""
     advertise_host: str = ""
     """The address other services reach this worker at (its registry record); empty: ``host``,
     or this machine's address when ``host`` is a wildcard (``0.0.0.0`` in a container)."""
@@ -406,7 +409,7 @@ class PrefillWorker:
 
             self._heartbeat, _ = start_heartbeat(
                 cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load,
-                publisher=self._publisher, engine=self.engine,
+                publisher=self._publisher, engine=self.engine, secret=cfg.cluster_secret,
             )  # fmt: skip
         log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
 

@@ -1,7 +1,9 @@
 """A disconnect storm through ``baton up`` with a prefill and a decode worker: 1,000 streams that
 clients abandon at random points (queued, prefilling, mid-transfer, mid-decode) leave no KV block
 held on either worker, by the engines' own block accounting in their ``/metrics``, and every
-engine idle again; the cluster then serves a request as before."""
+engine idle again; the cluster then serves a request as before. First, its locked doors (issue
+28): ``baton up`` was ready only once its gateway counted the prefill worker, and a prefill worker
+forged into Redis without the cluster secret gets no connection from the decode worker."""
 
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.forged_worker import (
+    cluster_redis,
+    gateway_pid,
+    recording_server,
+    service_flag,
+    write_forgeries,
+)
 from tests.e2e.up_process import start_up, stop_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -24,7 +33,10 @@ CONCURRENCY = 48
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("storm-logs")
     port, proc = start_up(["--prefill", "1", "--decode", "1", "--kv-cache-gib", "0.5"], logs)
-    yield f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    # What the gateway answered when baton up said it was ready (its /ready is cached for 1 s).
+    ready = httpx.get(f"{base}/ready", timeout=10).json()
+    yield {"base": base, "proc": proc, "ready_at_start": ready}
     stop_up(proc)
 
 
@@ -86,12 +98,42 @@ async def _storm(base: str) -> dict[str, int]:
     return counts
 
 
+def test_ready_once_the_gateway_routes_to_the_prefill_worker(cluster):
+    """``baton up`` waits on the gateway's ``/ready``, which with ``--expect-prefill 1`` counts the
+    prefill worker in the router's own list: a gateway that was ready with no prefill worker listed
+    named none in its first requests."""
+    assert service_flag(gateway_pid(cluster["proc"].pid), "--expect-prefill") == "1"
+    assert cluster["ready_at_start"]["status"] == "ready"
+    assert cluster["ready_at_start"]["prefill_workers"] == 1
+
+
+def test_a_forged_prefill_worker_gets_no_connection(cluster):
+    base, redis = cluster["base"], cluster_redis(cluster["proc"].pid)
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    decode = next(
+        w for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"] if w["role"] == "decode"
+    )
+    with recording_server() as (address, calls):
+        forged = write_forgeries(redis, model, address)
+        try:
+            time.sleep(2.0)  # the decode worker reads the prefill workers every 0.5 s
+            body = {"prompt": list(range(1000, 1100)), "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["kv_transfer_bytes"] > 0, r.text
+            rejected = "baton:registry_rejected_records_total"
+            assert _gauges(httpx.get(decode["metrics_url"], timeout=10).text, (rejected,))[rejected] > 0
+        finally:
+            redis.delete(*forged)
+    assert calls == []
+
+
 def test_a_disconnect_storm_leaks_no_kv_block(cluster):
-    counts = asyncio.run(_storm(cluster))
+    base = cluster["base"]
+    counts = asyncio.run(_storm(base))
     assert sum(counts.values()) == NUM_STREAMS
     assert counts.get("before the first token", 0) > 50 and counts.get("mid-stream", 0) > 50, counts
 
-    workers = httpx.get(f"{cluster}/workers", timeout=10).json()["workers"]
+    workers = httpx.get(f"{base}/workers", timeout=10).json()["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     names = ("baton:kv_cache_usage_perc", "baton:num_requests_running", "baton:num_requests_waiting")
     deadline = time.monotonic() + 90  # a prefill worker frees blocks held for a dead transfer by then
@@ -105,13 +147,11 @@ def test_a_disconnect_storm_leaks_no_kv_block(cluster):
     decode = next(w for w in workers if w["role"] == "decode")
     moved = _gauges(httpx.get(decode["metrics_url"], timeout=10).text, ("baton:kv_transfer_bytes_total",))
     assert moved.get("baton:kv_transfer_bytes_total", 0) > 0  # KV crossed from the prefill worker
-    in_flight = _gauges(
-        httpx.get(f"{cluster}/metrics", timeout=10).text, ("baton:gateway_requests_in_flight",)
-    )
+    in_flight = _gauges(httpx.get(f"{base}/metrics", timeout=10).text, ("baton:gateway_requests_in_flight",))
     assert in_flight == {"baton:gateway_requests_in_flight": 0.0}
 
     r = httpx.post(
-        f"{cluster}/v1/completions",
+        f"{base}/v1/completions",
         json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
         timeout=120,
     )

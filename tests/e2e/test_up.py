@@ -1,5 +1,7 @@
 """``baton up`` as a user runs it: a whole local cluster in real processes, driven by the official
-``openai`` client, then stopped by SIGTERM with nothing left running."""
+``openai`` client, then stopped by SIGTERM with nothing left running. Its doors are locked (issue
+28): Redis asks a password that no command line shows, and a worker record forged straight into
+Redis by someone holding that password, but not the cluster secret, gets no request."""
 
 from __future__ import annotations
 
@@ -8,10 +10,19 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from baton.common.llm import SamplingParams
 from baton.services.procs import parse_cpu_list
+from tests.e2e.forged_worker import (
+    cluster_redis,
+    gateway_pid,
+    recording_server,
+    service_environ,
+    service_flag,
+    write_forgeries,
+)
 from tests.e2e.up_process import start_up, stop_up
 
 
@@ -42,6 +53,8 @@ def _children(pid: int) -> list[int]:
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-logs")
     port, proc = start_up(["--dtype", "float32", "--kv-cache-gib", "1"], logs)
+    # What the gateway answered the moment baton up said it was ready (its /ready is cached 1 s).
+    proc.ready_at_start = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()  # type: ignore[attr-defined]
     yield port, proc
     stop_up(proc)
 
@@ -94,6 +107,63 @@ def test_the_layout_it_chose_is_printed_and_is_what_runs(cluster):
         assert s["dtype"] == "float32"
         assert s["threads"] == len(parse_cpu_list(s["cpus"])), s
         assert set(parse_cpu_list(s["cpus"])) <= os.sched_getaffinity(0)
+
+
+def test_redis_asks_a_password_that_no_command_line_shows(cluster):
+    import redis
+
+    _, proc = cluster
+    env = service_environ(gateway_pid(proc.pid))
+    password, secret = env["BATON_REDIS_PASSWORD"], env["BATON_CLUSTER_SECRET"]
+    assert len(password) >= 32 and len(secret) >= 32 and password != secret
+    for pid in _children(proc.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert password.encode() not in cmdline and secret.encode() not in cmdline, cmdline
+    anonymous = cluster_redis(proc.pid, authenticated=False)
+    with pytest.raises(redis.AuthenticationError):  # NOAUTH
+        anonymous.keys("baton:*")
+    assert cluster_redis(proc.pid).keys("baton:*")  # the workers' records, written with the password
+
+
+def test_ready_only_once_the_gateway_routes_to_every_prefill_worker(cluster):
+    """``baton up`` waits on the gateway's ``/ready``, which counts the prefill workers in the
+    router's own list (``--expect-prefill``): before, the gateway could be ready, and ``baton up``
+    done waiting, while its router still had no prefill worker to name in the first requests."""
+    port, proc = cluster
+    workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=10).json()["workers"]
+    num_prefill = sum(w["role"] == "prefill" for w in workers)
+    assert service_flag(gateway_pid(proc.pid), "--expect-prefill") == str(num_prefill)
+    assert proc.ready_at_start["status"] == "ready"
+    assert proc.ready_at_start["prefill_workers"] == num_prefill
+
+
+def test_a_forged_worker_record_gets_no_request(cluster):
+    """Someone who can write Redis, but lacks the cluster secret, registers workers at an address
+    of theirs: the gateway does not list or route to them, the decode worker does not connect to
+    them, requests complete, and their server receives nothing."""
+    port, proc = cluster
+    base = f"http://127.0.0.1:{port}"
+    client = cluster_redis(proc.pid)
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    with recording_server() as (address, calls):
+        forged = write_forgeries(client, model, address)
+        try:
+            started = time.monotonic()
+            for i in range(4):
+                body = {"model": model, "prompt": [1000 + i] * 40, "max_tokens": 4, "temperature": 0}
+                r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+            time.sleep(max(0.0, 2.0 - (time.monotonic() - started)))  # past every registry refresh
+            listed = {w["id"] for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"]}
+            assert not any(i.startswith("0-") for i in listed), listed
+            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            rejected = [
+                x for x in metrics.splitlines() if x.startswith("baton:registry_rejected_records_total")
+            ]
+            assert rejected and float(rejected[0].rsplit(" ", 1)[1]) > 0, rejected
+        finally:
+            client.delete(*forged)
+    assert calls == []
 
 
 def test_sigterm_stops_everything(cluster):

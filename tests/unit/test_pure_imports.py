@@ -20,9 +20,14 @@ PURE_MODULES = [
     "baton.common.engine.sampling_params",
     "baton.common.engine.scheduler",
     "baton.common.engine.step_shapes",
+    "baton.common.index.auth",
+    "baton.common.index.record_mac",
+    "baton.common.index.registry",
     "baton.kernels.kv_cache_dtypes",
     "baton.kernels.isa",
     "baton.services.cli",
+    "baton.services.cluster_auth",
+    "baton.services.up",
 ]
 
 UNIT_DIR = Path(__file__).resolve().parent
