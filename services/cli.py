@@ -519,7 +519,9 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         return 2
     a.speculative = None  # a prefill worker returns the first token only: nothing to speculate
     config = PrefillWorkerConfig(
-        **_worker_kwargs(a, auth), fault_pause_after_blocks=a.fault_pause_after_blocks
+        **_worker_kwargs(a, auth),
+        fault_pause_after_blocks=a.fault_pause_after_blocks,
+        fault_hold_payload_after_blocks=a.fault_hold_payload_after_blocks,
     )
     return _serve_forever(lambda stop: serve(config, stop, a.drain_timeout))
 
@@ -813,8 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("prefill", help="one prefill worker")
     _worker_args(pre)
     # Test-only fault injection (tests/e2e/test_faults_prefill.py), hidden from --help: the engine
-    # stops for good once the first prompt has had N blocks sent, as a worker dying mid-transfer.
+    # stops for good once the first prompt has had N blocks sent, as a worker dying mid-transfer;
+    # or each prompt's KV stops in the middle of a message after N blocks, as one dying mid-message.
     pre.add_argument("--fault-pause-after-blocks", type=int, default=0, help=argparse.SUPPRESS)
+    pre.add_argument("--fault-hold-payload-after-blocks", type=int, default=0, help=argparse.SUPPRESS)
     pre.set_defaults(func=cmd_prefill)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")

@@ -208,8 +208,9 @@ class ShardedReceiver(KVReceiver):
         # Rank 0's: it is fed by prefill rank 0 under every plan (the first holder of layer 0's
         # head 0), whose stream moves in step with its worker's other ranks (one engine drives
         # them); a stream that stalls alone into another decode rank is caught by the transfer's
-        # deadline instead.
-        return self._local.progress(transfer_id)
+        # deadline instead. Which blocks landed or are being written it cannot say for the others.
+        p = self._local.progress(transfer_id)
+        return None if p is None else replace(p, landed_block_ids=None, writing_block_ids=None)
 
     def rank_bytes(self) -> list[int]:
         """Bytes each rank has received, in rank order."""

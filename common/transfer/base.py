@@ -42,12 +42,20 @@ class TransferConfig:
     """Receiver's listening port for the nccl backend's store; 0 picks a free one (published)."""
     timeout_s: float = 30.0
     """Bound on connecting, on each send, and on each expected transfer from ``expect`` on."""
+    fault_hold_payload_after_blocks: int = 0
+    """Test only (0: off; ``baton prefill --fault-hold-payload-after-blocks``): a sender stops in
+    the middle of a message once a transfer has had this many blocks sent. That message's head goes
+    out, so the receiver claims its blocks and posts their receives, and its payload never does, nor
+    anything after it (ucx: of that transfer; nccl: on that pair, whose messages are ordered): what a
+    sender killed mid-message leaves behind."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.fault_hold_payload_after_blocks < 0:
+            raise ValueError("fault_hold_payload_after_blocks must not be negative")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,12 @@ class TransferProgress:
     blocks_expected: int
     last_landed: float | None
     """``time.monotonic()`` of the latest landing; None before the first."""
+    landed_block_ids: frozenset[int] | None = None
+    """The blocks that landed whole while the transfer was live (None: this receiver cannot say,
+    e.g. one spread over ranks). Final once the transfer failed or was cancelled."""
+    writing_block_ids: frozenset[int] | None = None
+    """The blocks a message is being written into now (None: cannot say; assume all not landed).
+    After ``cancel`` nothing new is claimed, so these are the only blocks still written."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +246,9 @@ class KVReceiver(ABC):
       * Only blocks named in ``expect`` are ever written.
       * ``progress(tid)`` says how many blocks have landed so far and when the latest did (None
         once the transfer is settled or if it was never expected): a stalled sender shows there.
+        After a ``cancel`` whose handle is not done yet, its ``writing_block_ids`` are the blocks
+        that may still be written (a receive the transport cannot cancel: ucx): a caller may
+        quarantine those and let the others go at once, instead of waiting for the handle.
     """
 
     @abstractmethod

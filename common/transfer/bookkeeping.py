@@ -69,6 +69,33 @@ class SendLedger:
         return all_of(transfer_id, handles)
 
 
+class FaultHold:
+    """``TransferConfig.fault_hold_payload_after_blocks`` (test only): which messages a sender
+    sends whole, which it stops in the middle of, and which it never starts."""
+
+    WHOLE, HEAD_ONLY, NOTHING = "whole", "head only", "nothing"
+
+    def __init__(self, after_blocks: int) -> None:
+        self._after = after_blocks
+        self._lock = threading.Lock()
+        self._sent: dict[str, int] = {}
+        self._held: set[str] = set()
+
+    def next_message(self, transfer_id: str, num_blocks: int) -> str:
+        """How to send the next message of ``transfer_id``, ``num_blocks`` blocks long."""
+        if not self._after:
+            return self.WHOLE
+        with self._lock:
+            if transfer_id in self._held:
+                return self.NOTHING
+            sent = self._sent.get(transfer_id, 0)
+            if sent < self._after:
+                self._sent[transfer_id] = sent + num_blocks
+                return self.WHOLE
+            self._held.add(transfer_id)
+            return self.HEAD_ONLY
+
+
 @dataclass
 class _Expected:
     handle: TransferHandle
@@ -218,7 +245,13 @@ class ExpectedTransfers:
             entry = self._pending.get(transfer_id)
             if entry is None:
                 return None
-            return TransferProgress(len(entry.landed), len(entry.blocks), entry.last_landed)
+            return TransferProgress(
+                len(entry.landed),
+                len(entry.blocks),
+                entry.last_landed,
+                frozenset(entry.landed),
+                frozenset(entry.writing),
+            )
 
     # -- internals (``_locked``: caller holds the lock) -----------------------------------------
     def _fail(self, match, error: TransferError) -> None:

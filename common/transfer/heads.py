@@ -149,8 +149,12 @@ class HeadSliceReceiver(UcxReceiver):
         p = self._table.progress(transfer_id)
         if p is None:
             return None
+        landed = None if p.landed_block_ids is None else self._blocks(p.landed_block_ids)
+        writing = (
+            None if p.writing_block_ids is None else frozenset(u // self._cells for u in p.writing_block_ids)
+        )
         return TransferProgress(
-            p.blocks_landed // self._cells, p.blocks_expected // self._cells, p.last_landed
+            p.blocks_landed // self._cells, p.blocks_expected // self._cells, p.last_landed, landed, writing
         )
 
     # -- a message's cells and where its payloads go ---------------------------------------------

@@ -37,7 +37,7 @@ from baton.common.transfer.base import (
     TransferStats,
 )
 from baton.common.transfer.blocks import as_block_bytes
-from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
+from baton.common.transfer.bookkeeping import Counters, FaultHold, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
     HEAD_BYTES,
     KIND_BYE,
@@ -219,6 +219,8 @@ class NcclSender(KVSender):
         self._thread: threading.Thread | None = None
         self._group: Any = None
         self._broken: TransferError | None = None
+        self._fault = FaultHold(config.fault_hold_payload_after_blocks)
+        self._closing = threading.Event()
 
     def connect(self, descriptor: TransferDescriptor) -> None:
         if descriptor.backend != "nccl":
@@ -242,7 +244,7 @@ class NcclSender(KVSender):
         if self._thread is None or self._broken is not None:
             handle.set_error(self._broken or TransferError("sender is not connected"))
         else:
-            self._queue.put((runs, header, handle))
+            self._queue.put((runs, header, handle, self._fault.next_message(transfer_id, len(dst_block_ids))))
         return handle
 
     def finish(self, transfer_id: str) -> TransferHandle:
@@ -256,6 +258,7 @@ class NcclSender(KVSender):
         if thread is None:
             return
         self._queue.put(None)  # queued sends go first, then the goodbye
+        self._closing.set()
         thread.join(self.config.timeout_s + 1.0)
         self._ledger.fail_all(TransferError("sender closed"))
         self._group = None
@@ -283,13 +286,31 @@ class NcclSender(KVSender):
                 continue
             if job is None:
                 break
-            posted = self._post(*job)
+            runs, header, handle, how = job
+            if how != FaultHold.WHOLE:
+                if pending:
+                    self._complete(pending)
+                self._hold(header)
+                return
+            posted = self._post(runs, header, handle)
             if pending:
                 self._complete(pending)
             pending = posted
         if pending:
             self._complete(pending)
         self._send_control(KIND_BYE)
+
+    def _hold(self, header: bytes) -> None:
+        """Test only (``FaultHold``): a message's head and never its payload; then nothing more on
+        this pair until ``close``."""
+        try:
+            heads = _head_tensors(KIND_DATA, header, self._cache.device)
+            for work in [self._group.send([t], 0, TAG) for t in heads]:
+                _wait(work, self.config.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the receiver went away meanwhile
+            logger.warning("held KV message: %r", e)
+        logger.warning("FAULT INJECTION (test only): a KV message stops after its head")
+        self._closing.wait()
 
     def _post(self, runs: list[Run], header: bytes, handle: TransferHandle) -> _Posted | None:
         if self._broken is not None:

@@ -51,7 +51,7 @@ from baton.common.transfer.base import (
     TransferStats,
 )
 from baton.common.transfer.blocks import as_block_bytes
-from baton.common.transfer.bookkeeping import Counters, SendLedger, TableReceiver
+from baton.common.transfer.bookkeeping import Counters, FaultHold, SendLedger, TableReceiver
 from baton.common.transfer.wire import (
     HEAD_BYTES,
     KIND_DATA,
@@ -321,6 +321,7 @@ class UcxSender(KVSender):
         self._lock = threading.Lock()
         self._seq = 0
         self._broken: TransferError | None = None
+        self._fault = FaultHold(config.fault_hold_payload_after_blocks)
 
     def connect(self, descriptor: TransferDescriptor) -> None:
         if descriptor.backend != "ucx":
@@ -351,7 +352,8 @@ class UcxSender(KVSender):
                 return handle
             self._seq = self._seq % (2**32 - 1) + 1
             tag = self._stream << 32 | self._seq
-        runtime.submit(self._send(tag, header, runs, handle))
+        how = self._fault.next_message(transfer_id, len(dst_block_ids))
+        runtime.submit(self._send(tag, header, runs, handle, how))
         return handle
 
     def finish(self, transfer_id: str) -> TransferHandle:
@@ -388,10 +390,15 @@ class UcxSender(KVSender):
         address = ucxx.get_ucx_address_from_buffer(worker_address)
         return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
 
-    async def _send(self, tag: int, header: bytes, runs: list[Run], handle: TransferHandle) -> None:
+    async def _send(
+        self, tag: int, header: bytes, runs: list[Run], handle: TransferHandle, how: str = FaultHold.WHOLE
+    ) -> None:
         head, header_tail = encode_head(KIND_DATA, tag, header)
         started = time.perf_counter()
         ep = self._endpoint
+        if how != FaultHold.WHOLE:
+            await self._send_held(ep, tag, head, header_tail, how)
+            return
         try:
             payloads = self._payloads(runs)
             nbytes = sum(p.nbytes for p in payloads)
@@ -408,3 +415,12 @@ class UcxSender(KVSender):
             return
         self._counters.add(bytes=nbytes, seconds=time.perf_counter() - started, transfers_ok=1)
         handle.set_result(nbytes)
+
+    async def _send_held(self, ep: Any, tag: int, head: bytes, header_tail: bytes, how: str) -> None:
+        """Test only (``FaultHold``): the head of a message and never its payload, or nothing."""
+        if how == FaultHold.HEAD_ONLY:
+            await ep.send(head, tag=self._control_tag, force_tag=True)
+            if header_tail:
+                await ep.send(header_tail, tag=tag, force_tag=True)
+            logger.warning("FAULT INJECTION (test only): KV message %#x stops after its head", tag)
+        await asyncio.get_running_loop().create_future()  # never done: the handle stays open

@@ -97,6 +97,10 @@ class PrefillWorkerConfig:
     """Test-only fault injection (``baton prefill --fault-pause-after-blocks``; 0: off): once the
     first prompt has had this many blocks sent and landed, the engine thread stops for good, as a
     worker that dies mid-transfer would (the fault tests then kill or stop the process)."""
+    fault_hold_payload_after_blocks: int = 0
+    """Test-only fault injection (``baton prefill --fault-hold-payload-after-blocks``; 0: off): each
+    prompt's KV stops in the middle of a message once this many of its blocks were sent
+    (``TransferConfig.fault_hold_payload_after_blocks``), so that a kill lands mid-message."""
 
 
 @dataclass
@@ -430,7 +434,12 @@ class PrefillWorker:
             if sender is not None:
                 return key, sender
             t = self.config.transfer
-            config = TransferConfig(backend=dest.descriptor.backend, host=t.host, timeout_s=t.timeout_s)
+            config = TransferConfig(
+                backend=dest.descriptor.backend,
+                host=t.host,
+                timeout_s=t.timeout_s,
+                fault_hold_payload_after_blocks=self.config.fault_hold_payload_after_blocks,
+            )
             connect = functools.partial(tp_transfer.connect_sender, config, self.engine.engine, self._link)
             sender = await asyncio.to_thread(connect, dest, routes)
             with self._senders_lock:

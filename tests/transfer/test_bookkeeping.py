@@ -237,3 +237,16 @@ def test_package_import_pulls_in_no_torch_and_no_transport():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fault_hold_stops_a_transfer_mid_message_after_its_first_blocks_and_sends_nothing_after():
+    from baton.common.transfer.bookkeeping import FaultHold
+
+    hold = FaultHold(8)
+    assert [hold.next_message("a", 4) for _ in range(2)] == [FaultHold.WHOLE] * 2
+    assert hold.next_message("b", 4) == FaultHold.WHOLE  # counted per transfer
+    assert hold.next_message("a", 4) == FaultHold.HEAD_ONLY
+    assert hold.next_message("a", 4) == FaultHold.NOTHING
+    assert FaultHold(0).next_message("a", 100) == FaultHold.WHOLE  # off
+    with pytest.raises(ValueError, match="negative"):
+        TransferConfig(fault_hold_payload_after_blocks=-1)

@@ -88,3 +88,19 @@ def test_a_failed_message_lands_nothing_of_its_own():
     with pytest.raises(TransferError, match="peer lost"):
         handle.wait(0)
     assert handle.landed_block_ids == {1}
+
+
+def test_after_cancel_progress_names_the_blocks_landed_and_those_still_being_written():
+    table = _table()
+    handle = table.expect("a", [10, 11, 12, 13, 14])
+    _land(table, "a", [10, 11])
+    assert table.claim("a", [12, 13], peer="p")  # a message's head came; its payload has not
+    p = table.progress("a")
+    assert (p.landed_block_ids, p.writing_block_ids) == ({10, 11}, {12, 13})
+    table.cancel("a")
+    assert not table.claim("a", [14], peer="p")  # nothing new is claimed: 14 is never written
+    p = table.progress("a")
+    assert (p.landed_block_ids, p.writing_block_ids) == ({10, 11}, {12, 13})
+    assert not handle.done()
+    table.landed("a", [12, 13], 20, 0.0, TransferError("peer gone"))
+    assert handle.done() and table.progress("a") is None
