@@ -137,6 +137,10 @@ class AsyncEngine:
         self._submitted = 0  # requests put on the command queue and not yet taken by the engine
         self._submitted_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        # Engine thread only: requests parked for a remote prefill whose owner (``generate_remote``)
+        # has not said yet that nothing writes their blocks any more, and those of them aborted.
+        self._parked: set[str] = set()
+        self._aborted_parked: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -259,10 +263,15 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                # Also a request still parked: no prefill of it is running any more, so nothing
+                # writes its blocks (``prefill`` returns only once its transfer is settled or its
+                # blocks quarantined).
+                self._commands.put(("abort", request_id, True))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """End a request. One parked for a remote prefill keeps its blocks until that prefill
+        returns: the transfer may still be writing them."""
+        self._commands.put(("abort", request_id, False))
 
     def call_soon(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run ``fn(engine)`` on the engine thread between two steps (any thread may ask; it never
@@ -373,26 +382,46 @@ class AsyncEngine:
                 return
             if got is not None:
                 self._streams[rid] = stream
+                self._parked.add(rid)
             stream.loop.call_soon_threadsafe(_settle, fut, got, None)
         elif kind == "resume":
-            _, rid, token = cmd
-            out = self.engine.resume_remote(rid, token)
-            if out is not None:
-                self._publish(out)
+            self._resume(*cmd[1:])
         elif kind == "call":
             try:
                 cmd[1](self.engine)
             except Exception:  # noqa: BLE001 - a helper's bug must not end the engine loop
                 log.exception("a call on the engine thread failed")
         elif kind == "abort":
-            rid = cmd[1]
-            self.engine.abort_request(rid)
+            _, rid, owner = cmd
+            if rid in self._parked and not owner:
+                self._aborted_parked.add(rid)  # freed when its prefill returns (``_resume``)
+            else:
+                self._parked.discard(rid)
+                self._aborted_parked.discard(rid)
+                self.engine.abort_request(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream.loop.call_soon_threadsafe(
                     stream.queue.put_nowait,
                     StreamDelta(rid, [], None, "", finished=True, finish_reason="abort"),
                 )
+
+    def _resume(self, rid: str, token: SampledToken | LandedPrefix | None) -> None:
+        """A parked request's remote prefill returned: go on with it (or end it, aborted meanwhile).
+        Blocks it left quarantined go back to the pool on this thread once settled."""
+        self._parked.discard(rid)
+        quarantine = token.quarantine if isinstance(token, LandedPrefix) else None
+        if quarantine is not None and quarantine.on_settled is not None:
+            quarantine.on_settled(lambda: self.call_soon(LLMEngine.release_quarantined))
+        if rid in self._aborted_parked:
+            self._aborted_parked.discard(rid)
+            if quarantine is not None:
+                self.engine.quarantine_blocks(quarantine)
+            self.engine.abort_request(rid)
+            return
+        out = self.engine.resume_remote(rid, token)
+        if out is not None:
+            self._publish(out)
 
     def _publish(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from baton.common.engine.block_pool import BlockPool, KVBlock
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.request import Request
@@ -17,6 +19,9 @@ class KVCacheManager:
         # Prefix-cache lookups in tokens, as vLLM counts them (for metrics).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._quarantined: list[tuple[list[KVBlock], Callable[[], bool]]] = []
+        """Blocks that something outside the engine may still write, each group with the test that
+        says it no longer can (``quarantine``)."""
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
@@ -117,3 +122,52 @@ class KVCacheManager:
         extra = owned[keep:]
         del owned[keep:]
         self.pool.free_blocks(reversed(extra))
+
+    # -- quarantine ------------------------------------------------------------------------------
+    def quarantine(self, block_ids: Iterable[int], settled: Callable[[], bool]) -> None:
+        """Keep blocks out of the pool until ``settled()`` (any thread may make it true): a receive
+        that the transport could not cancel may still write them (a remote prefill given up
+        mid-message). The quarantine holds one reference on each; whoever else holds them may let
+        go as usual. Their contents are suspect, so they leave the prefix cache."""
+        ids = list(block_ids)
+        if not ids:
+            return
+        blocks = [self.pool.blocks[i] for i in ids]
+        self.pool.uncache_blocks(ids)
+        self.pool.touch(blocks)
+        self._quarantined.append((blocks, settled))
+
+    def release_settled(self) -> int:
+        """Give back the quarantined blocks nothing can write any more; how many went back."""
+        released, kept = 0, []
+        for blocks, settled in self._quarantined:
+            if settled():
+                self.pool.free_blocks(reversed(blocks))
+                released += len(blocks)
+            else:
+                kept.append((blocks, settled))
+        self._quarantined = kept
+        return released
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(blocks) for blocks, _ in self._quarantined)
+
+    def swap_quarantined(self, req: Request) -> bool:
+        """Give ``req`` fresh blocks in place of its quarantined ones (past its registered prefix),
+        letting go of those; False, changing nothing, when the pool cannot supply them."""
+        owned = self._blocks.get(req.request_id, [])
+        suspect = {b.block_id for blocks, _ in self._quarantined for b in blocks}
+        slots = [i for i, b in enumerate(owned) if b.block_id in suspect]
+        if not slots:
+            return True
+        assert slots[0] >= self._num_cached.get(req.request_id, 0), (
+            "a quarantined block is in the prefix cache"
+        )
+        if len(slots) > self.pool.num_free_blocks:
+            return False
+        old = [owned[i] for i in slots]
+        for i, block in zip(slots, self.pool.get_new_blocks(len(slots))):
+            owned[i] = block
+        self.pool.free_blocks(reversed(old))
+        return True

@@ -154,12 +154,28 @@ class EngineFullError(Exception):
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """Blocks that a receive the transport could not cancel may still write (a remote prefill given
+    up mid-message): out of use, and out of the pool until ``settled()``."""
+
+    block_ids: tuple[int, ...]
+    settled: Callable[[], bool]
+    """Thread-safe; True once nothing can write the blocks any more."""
+    on_settled: Callable[[Callable[[], None]], None] | None = None
+    """Registers a callback (run on any thread, at once if already settled) for when it is: the
+    owner of the engine thread asks for the release then (``AsyncEngine``); without it the next
+    step does."""
+
+
+@dataclass(frozen=True)
 class LandedPrefix:
     """What a remote prefill that failed part-way leaves: the KV of the prompt's first
     ``num_tokens`` tokens landed in the request's blocks (whole blocks from the start of its
-    reserved range), so only the rest is computed here (``resume_remote``)."""
+    reserved range), so only the rest is computed here (``resume_remote``); and the request's
+    blocks that are quarantined, which it swaps for fresh ones."""
 
     num_tokens: int
+    quarantine: Quarantine | None = None
 
 
 class EngineStepError(RuntimeError):
@@ -447,14 +463,21 @@ class LLMEngine:
         """Start decoding a parked request whose prompt KV has landed in its blocks, with the
         first token the prefill worker sampled; or, with None (the remote prefill failed or was
         not worth it), compute the rest of its prompt here; or, with a ``LandedPrefix`` (it failed
-        part-way), keep the KV that landed and compute only the rest. Returns the output when the
-        first token already ends the request or streams it."""
+        part-way), keep the KV that landed and compute only the rest, in fresh blocks where its own
+        are quarantined (with no room for those now, it starts over from the head of the queue).
+        Returns the output when the first token already ends the request or streams it."""
+        if isinstance(first_token, LandedPrefix) and first_token.quarantine is not None:
+            self.quarantine_blocks(first_token.quarantine)
         req = self._remote.pop(request_id, None)
         if req is None:
             return None  # aborted meanwhile
         if isinstance(first_token, LandedPrefix):
             self._keep_landed(req, first_token.num_tokens)
             first_token = None
+            if not self.kv.swap_quarantined(req):  # no room for fresh blocks now: start over later
+                self.kv.free(req)
+                self.scheduler.readmit(req)
+                return None
         if first_token is not None:
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.cache_computed(req, req.num_prompt_tokens)
@@ -470,6 +493,15 @@ class LLMEngine:
         if req.is_finished:
             self._forget(request_id)
         return out
+
+    def quarantine_blocks(self, quarantine: Quarantine) -> None:
+        """Keep ``quarantine``'s blocks out of use and out of the pool until it is settled
+        (``release_quarantined``); a request holding them gets fresh ones at ``resume_remote``."""
+        self.kv.quarantine(quarantine.block_ids, quarantine.settled)
+
+    def release_quarantined(self) -> int:
+        """Return the quarantined blocks nothing can write any more to the pool; how many."""
+        return self.kv.release_settled()
 
     def _keep_landed(self, req: Request, num_tokens: int) -> None:
         """Count a parked request's first ``num_tokens`` prompt tokens as computed (their KV
@@ -541,6 +573,7 @@ class LLMEngine:
         """Run one step; return outputs of the requests that finished in it and, with
         ``include_unfinished``, cumulative outputs of every request that received a token."""
         start = time.perf_counter()
+        self.kv.release_settled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []

@@ -161,6 +161,17 @@ class Scheduler:
             if reason is not None:
                 self.finish_requests([req.request_id], reason)
 
+    def readmit(self, req: Request) -> None:
+        """Queue first a request that holds no blocks and is computed from its start, as a
+        preempted one is: a remote prefill given up with no room to replace its quarantined blocks."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.release_completing(req.request_id)
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

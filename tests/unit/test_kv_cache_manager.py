@@ -202,3 +202,64 @@ def test_caching_disabled_never_hits():
     prefill(kv, req("a", PROMPT[:8]))
     assert kv.get_computed_blocks(req("b", PROMPT[:8] + [1])) == ([], 0)
     assert all(b.block_hash is None for b in pool.blocks)
+
+
+def _reserve(kv: KVCacheManager, r: Request) -> None:
+    """Blocks for the whole prompt, not cached: a remote prefill fills them (``reserve_remote``)."""
+    assert kv.allocate_slots(r, r.num_tokens, cache=False)
+
+
+def test_quarantined_blocks_stay_out_of_the_pool_until_settled_whoever_frees_them():
+    pool, kv = make(5)
+    r = req("r", PROMPT)
+    _reserve(kv, r)
+    assert kv.block_ids("r") == [0, 1, 2]
+    settled = [False]
+    kv.quarantine([1, 2], lambda: settled[0])  # a message is still being written into 1 and 2
+    assert [b.ref_cnt for b in pool.blocks] == [1, 2, 2, 0, 0]
+    kv.free(r)  # e.g. the request was aborted meanwhile
+    assert [b.ref_cnt for b in pool.blocks] == [0, 1, 1, 0, 0]
+    assert pool.num_free_blocks == 3 and kv.num_quarantined_blocks == 2
+    assert kv.release_settled() == 0
+    settled[0] = True
+    assert kv.release_settled() == 2
+    assert kv.num_quarantined_blocks == 0
+    pool.check_integrity()
+    assert ids(pool.get_new_blocks(5)) == [3, 4, 0, 2, 1]  # they join the free queue last, tail first
+
+
+def test_a_request_swaps_its_quarantined_blocks_for_fresh_ones_in_place():
+    pool, kv = make(6)
+    r = req("r", PROMPT)
+    _reserve(kv, r)
+    r.num_computed_tokens = 4
+    kv.cache_computed(r, 4)  # block 0 landed and is kept; 1 is being written, 2 never was
+    kv.quarantine([1], lambda: False)
+    assert kv.swap_quarantined(r)
+    assert kv.block_ids("r") == [0, 3, 2]
+    assert [b.ref_cnt for b in pool.blocks] == [1, 1, 1, 1, 0, 0]  # 1: the quarantine's only
+    assert pool.blocks[0].block_hash == r.block_hashes[0]
+    assert kv.swap_quarantined(r)  # nothing of it is quarantined any more: nothing changes
+    assert kv.block_ids("r") == [0, 3, 2]
+    pool.check_integrity()
+
+
+def test_a_swap_without_room_changes_nothing():
+    pool, kv = make(3)
+    r = req("r", PROMPT)
+    _reserve(kv, r)
+    kv.quarantine([1, 2], lambda: False)
+    assert not kv.swap_quarantined(r)
+    assert kv.block_ids("r") == [0, 1, 2]
+    assert [b.ref_cnt for b in pool.blocks] == [1, 2, 2]
+    pool.check_integrity()
+
+
+def test_quarantined_blocks_leave_the_prefix_cache():
+    pool, kv = make(4)
+    prefill(kv, req("a", PROMPT[:8]))
+    kv.quarantine([1], lambda: True)
+    assert pool.blocks[1].block_hash is None
+    assert ids(kv.get_computed_blocks(req("b", PROMPT[:8] + [5]))[0]) == [0]
+    kv.release_settled()
+    pool.check_integrity()

@@ -695,3 +695,18 @@ def test_aborting_during_the_final_block_step_is_harmless():
     assert h.sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []  # already finished
     h.step()
     assert h.pool.num_free_blocks == 8 and not h.sched.has_unfinished()
+
+
+def test_a_readmitted_request_goes_first_and_is_computed_from_its_start():
+    h = Harness(8, max_num_batched_tokens=64)
+    h.add("a", prompt(10, 4), max_tokens=2)
+    late = Request("late", prompt(30, 6), SamplingParams(max_tokens=2), arrival_time=-1)
+    late.num_computed_tokens = 4  # what it had computed elsewhere does not count any more
+    h.sched.readmit(late)
+    assert late.status == RequestStatus.PREEMPTED and late.num_computed_tokens == 0
+    with pytest.raises(ValueError, match="already in use"):
+        h.sched.readmit(late)
+    out = h.step()
+    assert view(out)[0] == ("late", 0, 6, True)
+    h.run_to_end()
+    assert late.status == RequestStatus.FINISHED_LENGTH
