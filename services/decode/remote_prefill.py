@@ -8,14 +8,15 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.common.api.convert import top_logprobs_from_proto
-from baton.common.engine.llm_engine import LandedPrefix
+from baton.common.engine.llm_engine import LandedPrefix, Quarantine
 from baton.common.engine.scheduler import SampledToken
 from baton.common.transfer import TransferError
 from baton.protos import baton_pb2, baton_pb2_grpc
@@ -42,6 +43,9 @@ class RemoteFailure:
     reason: str
     kept_tokens: int
     """Prompt tokens whose KV had landed, kept rather than recomputed."""
+    quarantined_blocks: int = 0
+    """Reserved blocks a message was still being written into (a receive the transport cannot
+    cancel): swapped for fresh ones, and out of the pool until the receive settles."""
 
 
 class RemotePrefill:
@@ -50,13 +54,19 @@ class RemotePrefill:
     A prefill worker that fails mid-prompt costs the request latency, never the request. A dead
     one fails the Prefill RPC at once (its connection closes); a hung one within ~2 s (gRPC
     keepalive: a ping every second while the call is open, unanswered for another second); a live
-    one whose transfer stops, after ``prefill_stall_timeout_s`` with no block landing. Then the
-    transfer is given up (``cancel``, and nothing more can land), the blocks that landed whole from
-    the start of the reserved range are kept and only the rest of the prompt is computed here
-    (``LandedPrefix``). The worker is left out of the choice for ``failed_prefill_hold_s``: its
-    registry key outlives it by up to the heartbeat TTL. A prefill worker that answers DATA_LOSS
-    (alive, but its sends failed, so it may have reused blocks this worker was still reading)
-    gets nothing kept: the whole prompt is recomputed.
+    one whose transfer stops, after ``prefill_stall_timeout_s`` with no block landing. (Its registry
+    key expiring, the TTL after its last heartbeat, never comes first; nor is a worker gone from the
+    registry a failure: a draining one leaves it at once and finishes its prefills.) Then the
+    transfer is given up (``cancel``: nothing more is claimed), the blocks that landed whole from
+    the start of the reserved range are kept and only the rest of the prompt is computed here, at
+    once (``LandedPrefix``). A message the dead worker left half-sent has receives posted into its
+    blocks that the transport cannot cancel (ucx; gloo fails them when the peer dies): those blocks
+    are quarantined, the request computes in fresh ones, and the pool takes them back once the
+    receive settles (the transfer deadline), so a late write can never reach another request's KV.
+    The worker is left out of the choice for ``failed_prefill_hold_s``: its registry key outlives it
+    by up to the heartbeat TTL. A prefill worker that answers DATA_LOSS (alive, but its sends
+    failed, so it may have reused blocks this worker was still reading) gets nothing kept: the
+    whole prompt is recomputed.
     """
 
     # Keepalive on the channels to prefill workers (their servers accept pings this often:
@@ -71,6 +81,9 @@ class RemotePrefill:
     )
     POLL_S = 0.05
     """How often an open Prefill RPC's transfer progress is looked at."""
+    SETTLE_GRACE_S = 0.5
+    """How long a given-up transfer is waited for when the receiver cannot say which of its blocks
+    are still being written."""
 
     def __init__(
         self,
@@ -112,9 +125,12 @@ class RemotePrefill:
         self.tls = config.grpc_tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
-        self.failures_total = 0
+        self.failures: deque[RemoteFailure] = deque(maxlen=256)
+        """The latest failures, oldest first."""
+        self.failures_by_reason: Counter[str] = Counter()
         self.kept_tokens_total = 0
-        self.last_failure: RemoteFailure | None = None
+        self.quarantined_blocks = 0
+        """Blocks out of the pool now for receives that may still write them."""
 
     def _stub(self, address: str) -> baton_pb2_grpc.PrefillStub:
         if address not in self._channels:
@@ -201,10 +217,19 @@ class RemotePrefill:
         finally:
             answer.cancel()
 
+    @property
+    def failures_total(self) -> int:
+        return sum(self.failures_by_reason.values())
+
+    @property
+    def last_failure(self) -> RemoteFailure | None:
+        return self.failures[-1] if self.failures else None
+
     async def _recover(
         self, rid: str, address: str, handle, dst: list[int], num_cached: int, prompt_len: int, error
     ) -> LandedPrefix | None:
-        """Give the transfer up, and say what of it to keep."""
+        """Give the transfer up and say what of it to keep, at once: blocks a message may still be
+        written into are quarantined, not waited for."""
         noticed = time.monotonic()
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
         if isinstance(error, PrefillStalled) or code in (
@@ -212,26 +237,65 @@ class RemotePrefill:
             grpc.StatusCode.DEADLINE_EXCEEDED,
         ):
             self._failed[address] = noticed + self.failed_hold_s
-        await self._release(rid, handle)
-        landed = 0
-        if code != grpc.StatusCode.DATA_LOSS and handle.done():
-            landed = next((i for i, b in enumerate(dst) if b not in handle.landed_block_ids), len(dst))
-        kept = max(0, min(num_cached + landed * self.block_size, prompt_len - 1) - num_cached)
+        self.receiver.cancel(rid)
+        landed, writing = await self._landed_and_writing(rid, handle, dst)
+        if code == grpc.StatusCode.DATA_LOSS:
+            landed = frozenset()
+        first_missing = next((i for i, b in enumerate(dst) if b not in landed), len(dst))
+        kept = max(0, min(num_cached + first_missing * self.block_size, prompt_len - 1) - num_cached)
+        quarantine = self._quarantine(handle, writing)
         reason = code.name if code is not None else type(error).__name__
-        self.failures_total += 1
+        self.failures_by_reason[_reason_label(code, error)] += 1
         self.kept_tokens_total += kept
-        self.last_failure = RemoteFailure(rid, address, noticed, reason, kept)
+        self.failures.append(RemoteFailure(rid, address, noticed, reason, kept, len(writing)))
         log.warning(
             "remote prefill of %s via %s failed (%s: %s): %d prompt tokens landed and are kept, the rest "
-            "is computed here",
+            "is computed here; %d blocks a message may still write are quarantined",
             rid,
             address,
             reason,
             error.details() if code is not None else error,
             kept,
+            len(writing),
         )
         self._record(rid, dst, "failed")
-        return LandedPrefix(num_cached + kept) if kept else None
+        if kept or quarantine is not None:
+            return LandedPrefix(num_cached + kept, quarantine)
+        return None
+
+    async def _landed_and_writing(
+        self, rid: str, handle, dst: list[int]
+    ) -> tuple[frozenset[int], frozenset[int]]:
+        """After ``cancel``: the blocks that landed whole, and those a message may still write."""
+        progress = None if handle.done() else self.receiver.progress(rid)
+        if progress is not None and progress.writing_block_ids is None:
+            # A receiver that cannot say (spread over ranks) settles within its ranks' round trip
+            # when nothing is being written; else keep nothing and quarantine every block.
+            try:
+                await handle.wait_async(self.SETTLE_GRACE_S)
+            except TransferError:
+                pass
+            if not handle.done():
+                return frozenset(), frozenset(dst)
+            progress = None
+        if progress is None:  # settled: nothing writes any more
+            return frozenset(handle.landed_block_ids), frozenset()
+        return progress.landed_block_ids or frozenset(), progress.writing_block_ids or frozenset()
+
+    def _quarantine(self, handle, block_ids: frozenset[int]) -> Quarantine | None:
+        """The blocks to keep out of the pool until ``handle`` settles (None: none)."""
+        if not block_ids:
+            return None
+        n = len(block_ids)
+        self.quarantined_blocks += n
+
+        def settled(_) -> None:
+            self.quarantined_blocks -= n
+
+        handle.add_done_callback(settled)
+        return Quarantine(
+            tuple(sorted(block_ids)), handle.done, lambda fn: handle.add_done_callback(lambda _: fn())
+        )
 
     async def connect(self, address: str) -> None:
         """Have the prefill worker at ``address`` connect its KV transport to this worker's
@@ -278,26 +342,43 @@ class RemotePrefill:
             await channel.close()
 
 
+def _reason_label(code: grpc.StatusCode | None, error: BaseException) -> str:
+    """``baton:remote_prefill_failures``' reason: the Prefill call's gRPC status, or what failed."""
+    if code is not None:
+        return code.name.lower()
+    return "stalled" if isinstance(error, PrefillStalled) else "transfer_error"
+
+
 class RemotePrefillCollector:
-    """``baton:remote_prefill_failures`` and ``baton:remote_prefill_kept_tokens`` (counters)."""
+    """``baton:remote_prefill_failures{reason}`` and ``baton:remote_prefill_kept_tokens`` (counters),
+    ``baton:kv_blocks_quarantined`` (a gauge)."""
 
     def __init__(self, remote: RemotePrefill, labels: dict[str, str]):
         self.remote = remote
         self.labels = labels
 
     def collect(self):
-        for name, doc, value in (
-            (
-                "baton:remote_prefill_failures",
-                "Remote prefills that failed (the prompt was finished here).",
-                self.remote.failures_total,
-            ),
-            (
-                "baton:remote_prefill_kept_tokens",
-                "Prompt tokens whose KV landed before their remote prefill failed, kept.",
-                self.remote.kept_tokens_total,
-            ),
-        ):
-            c = CounterMetricFamily(name, doc, labels=list(self.labels))
-            c.add_metric(list(self.labels.values()), value)
-            yield c
+        names, values = list(self.labels), list(self.labels.values())
+        failures = CounterMetricFamily(
+            "baton:remote_prefill_failures",
+            "Remote prefills that failed (the prompt was finished here), by how it was noticed: a gRPC "
+            "status of the Prefill call (UNAVAILABLE: the prefill worker is gone or hung), stalled, ...",
+            labels=[*names, "reason"],
+        )
+        for reason, n in sorted(self.remote.failures_by_reason.items()):
+            failures.add_metric([*values, reason], n)
+        yield failures
+        kept = CounterMetricFamily(
+            "baton:remote_prefill_kept_tokens",
+            "Prompt tokens whose KV landed before their remote prefill failed, kept.",
+            labels=names,
+        )
+        kept.add_metric(values, self.remote.kept_tokens_total)
+        yield kept
+        quarantined = GaugeMetricFamily(
+            "baton:kv_blocks_quarantined",
+            "KV blocks out of the pool because a receive given up mid-message may still write them.",
+            labels=names,
+        )
+        quarantined.add_metric(values, self.remote.quarantined_blocks)
+        yield quarantined

@@ -7,14 +7,21 @@ test kills it. Prefill worker B and decode worker D1 live in this process, so th
 be read; decode worker D2 is a process, to be frozen (SIGSTOP) as a receiver that stops reading. A
 hung prefill worker (alive to the kernel, answering nothing) is noticed by the decode worker's
 channel keepalive: that is checked against a frozen gRPC server on its own, without a model.
+
+Killed in the middle of one message (issue 28, part 3): a prefill worker process started with
+``--fault-hold-payload-after-blocks`` sends each prompt's message after its first 40 blocks as a head
+without a payload, so the decode worker has receives posted into that message's blocks when the
+test kills it, over UCX (which cannot cancel them) and gloo.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,6 +37,7 @@ from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig
 
+from ..transfer.backends import CPU_BACKENDS
 from .fault_cluster import ENGINE_FLAGS, LoopThread, WorkerProcess, metric, tiny_model, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -220,6 +228,140 @@ def test_stopped_receiver_costs_the_prefill_worker_only_the_blocks_it_holds_unti
     print(
         f"\nreceiver stopped: a prompt beside it TTFT {ttft:.2f} s (before: {baseline:.2f} s); "
         f"the stopped one's Prefill answered DATA_LOSS after {answered:.2f} s, blocks freed after {freed:.2f} s"
+    )
+
+
+HOLD_BLOCKS = 40
+MID_MESSAGE_PROMPTS = (1500, 1200, 1000, 900)  # tokens: every one past HOLD_BLOCKS blocks
+
+
+def _labelled(url: str, name: str, **labels: str) -> float:
+    """The sample of ``name`` whose labels include ``labels`` (0 when there is none yet)."""
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", body, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(have.get(k) == v for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0
+
+
+def _generate_timed(address: str, rid: str, ids: list[int], prefill_address: str) -> tuple[list[int], float]:
+    """A Generate call's tokens and when (``time.monotonic()``) its first token came."""
+    first = None
+    tokens: list[int] = []
+    with grpc.insecure_channel(address) as channel:
+        request = baton_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params_to_proto(GREEDY),
+            prefill_address=prefill_address,
+        )
+        for chunk in baton_pb2_grpc.DecodeStub(channel).Generate(request, timeout=120):
+            if chunk.token_ids and first is None:
+                first = time.monotonic()
+            tokens += chunk.token_ids
+    assert first is not None, f"{rid}: no token"
+    return tokens, first
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def mid_message(request, cluster, tmp_path):
+    """A prefill worker process whose every prompt's KV stops in the middle of a message after
+    ``HOLD_BLOCKS`` blocks (``--fault-hold-payload-after-blocks``), and the decode worker that
+    receives it over ``request.param``: D1 for ucx, a new one in this process for gloo."""
+    backend = request.param
+    loop = LoopThread()
+    decode = cluster["d1"]
+    if backend != "ucx":
+        engine = EngineConfig(model=str(cluster["model"]), **ENGINE_FLAGS)
+        decode = DecodeWorker(
+            DecodeWorkerConfig(
+                engine=engine,
+                redis_url=cluster["url"],
+                transfer=TransferConfig(backend=backend),
+                prefill_stall_timeout_s=30.0,
+            )
+        )
+        loop.run(decode.start())
+    held = WorkerProcess(
+        "prefill",
+        cluster["model"],
+        cluster["url"],
+        tmp_path,
+        "--fault-hold-payload-after-blocks",
+        str(HOLD_BLOCKS),
+    )
+    try:
+        held.wait_ready()
+        wait_for(lambda: held.address in decode._remote.known_prefill(), 30, "the decode worker to see it")
+        yield backend, held, decode
+    finally:
+        held.stop()
+        if decode is not cluster["d1"]:
+            loop.run(decode.stop(), 60)
+        loop.close()
+
+
+def test_prefill_worker_killed_mid_message_costs_detection_and_recompute_only(mid_message, reference):
+    """A prefill worker killed with a message half-sent (its head arrived, so the decode worker
+    posted receives into the message's blocks, and its payload never will): the decode worker
+    notices at the first sign (the Prefill call fails), quarantines the blocks those receives may
+    still write, and recomputes the rest of each prompt on fresh blocks at once, instead of
+    holding the requests until the receives time out (~30 s: issue 28). Tokens as one engine's."""
+    backend, held, d = mid_message
+    address = f"127.0.0.1:{d.grpc_port}"
+    metrics = f"http://127.0.0.1:{d.metrics_port}/metrics"
+    failed_before = _labelled(metrics, "baton:remote_prefill_failures_total", reason="unavailable")
+    prompts = {f"mid-{backend}-{i}": _prompt(20 + i, n) for i, n in enumerate(MID_MESSAGE_PROMPTS)}
+
+    def writing(rid: str) -> bool:
+        p = d._receiver.progress(rid)
+        return p is not None and p.blocks_landed >= HOLD_BLOCKS and bool(p.writing_block_ids)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        calls = {
+            rid: pool.submit(_generate_timed, address, rid, ids, held.address) for rid, ids in prompts.items()
+        }
+        # ucx: every prompt's transfer stops mid-message; gloo: the first stops its pair's stream.
+        enough = all if backend == "ucx" else any
+        wait_for(lambda: enough(writing(rid) for rid in prompts), 90, "transfers to stop mid-message")
+        mid = [rid for rid in prompts if writing(rid)]
+        held.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        results = {rid: call.result(timeout=120) for rid, call in calls.items()}
+    served = {rid: first - killed for rid, (_, first) in results.items()}
+    failures = {f.request_id: f for f in d._remote.failures if f.request_id in prompts}
+    for rid, ids in prompts.items():
+        assert results[rid][0] == reference(ids), f"{rid}: tokens differ from one engine's"
+        assert rid in failures and failures[rid].address == held.address
+        assert failures[rid].noticed - killed < 2.0, (
+            f"{rid} noticed {failures[rid].noticed - killed:.2f} s after"
+        )
+        # Detection plus the recompute of a prompt of at most 1,500 tokens, not the ~30 s receive timeout.
+        assert served[rid] < 8.0, f"{rid}: first token {served[rid]:.1f} s after the kill"
+    # Each noticed by its Prefill call failing (the connection reset), and counted so.
+    assert all(failures[rid].reason == "UNAVAILABLE" for rid in prompts)
+    failed = _labelled(metrics, "baton:remote_prefill_failures_total", reason="unavailable")
+    assert failed - failed_before == len(prompts)
+    quarantined = sum(failures[rid].quarantined_blocks for rid in mid)
+    if backend == "ucx":  # receives it cannot cancel: their blocks are out of the pool, not reused
+        assert all(failures[rid].quarantined_blocks > 0 for rid in mid)
+        assert metric(metrics, "baton:kv_blocks_quarantined") == quarantined
+    # The quarantined blocks go back once their receives give up (ucx: the transfer deadline; gloo: at
+    # once, the pair died), and the pool balances with nothing leaked.
+    wait_for(lambda: metric(metrics, "baton:kv_blocks_quarantined") == 0, 45, "the quarantine to end")
+    released = time.monotonic() - killed
+    wait_for(lambda: not d.engine.engine.has_unfinished_requests(), 30, "the decode worker to go idle")
+    wait_for(lambda: metric(metrics, "baton:kv_cache_usage_perc") == 0.0, 10, "its pool to be all free")
+    d.engine.engine.pool.check_integrity()
+    print(
+        f"\nprefill worker killed mid-message ({'gloo' if backend == 'nccl' else backend}, {len(mid)} of "
+        f"{len(prompts)} transfers mid-message, "
+        f"{quarantined} blocks quarantined): noticed "
+        f"{min(f.noticed for f in failures.values()) - killed:.3f}-{max(f.noticed for f in failures.values()) - killed:.3f} s "
+        f"after the kill; first tokens {min(served.values()):.2f}-{max(served.values()):.2f} s after it "
+        f"(kept {sum(failures[r].kept_tokens for r in prompts)} of {sum(MID_MESSAGE_PROMPTS)} prompt tokens); "
+        f"the quarantine over {released:.1f} s after it"
     )
 
 
