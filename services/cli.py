@@ -734,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     bk.set_defaults(func=cmd_build_kernels)
 
     sec = sub.add_parser(
-        "secrets", help="make a cluster's Redis password, record key and internal TLS identity (compose runs it)"
+        "secrets",
+        help="make a cluster's Redis password, record key and internal TLS identity (compose runs it)",
     )
     sec.add_argument("directory", help="where to write them; files already there are kept")
     sec.set_defaults(func=cmd_secrets)

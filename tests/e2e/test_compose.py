@@ -26,10 +26,11 @@ from pathlib import Path
 
 import openai
 import pytest
+import tomllib
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig, free_port
 
 # Three workers with compose.yaml's own settings (a 4 GiB KV cache each): beside another module's
 # cluster they would not fit in a 24 GiB machine, so `make test` runs this module alone.
@@ -41,6 +42,7 @@ MONITORING = ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "baton.json"
 BATON_SERVICES = ("prefill", "decode", "gateway")
 READY_TIMEOUT_S = 420.0  # three workers load SmolLM2 on a shared 2-core machine
+SECRETS = "/run/baton"  # the `secrets` volume's mount point in every container
 PROMETHEUS_LABELS = {"job", "instance"}  # added by the scrape, not by the services
 _GRAFANA_MACRO = re.compile(r"\$__(rate_interval|interval|range)")
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -69,16 +71,42 @@ def test_compose_validates_against_the_spec():
     assert {"redis", "gateway", "prefill", "decode"} <= set(spec.service_names())
 
 
+def test_compose_needs_no_key_a_docker_engine_20_10_refuses():
+    """Debian 12's engine (20.10) is the oldest supported: healthcheck ``start_interval`` needs 25."""
+
+    def keys(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield k
+                yield from keys(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from keys(v)
+
+    assert "start_interval" not in set(keys(load_compose()))
+
+
 def test_compose_runs_as_the_issue_asks():
     services = load_compose()["services"]
     assert services["redis"]["image"].startswith("redis:")
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     for name in BATON_SERVICES:
         svc = services[name]
-        assert svc["image"] == "baton:latest" and svc["build"] == "."
+        assert svc["image"] == f"baton:{version}" and svc["build"] == "."
         assert svc["restart"] == "unless-stopped"
         assert svc["command"][0] == name
         assert svc["healthcheck"]["test"][0] == "CMD"
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        # Locked doors: a read-only image, no capabilities, the secrets volume read-only, internal gRPC
+        # on mutual TLS with the identity `secrets` made, Redis's password and the record key from files.
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"]
+        assert "no-new-privileges:true" in svc["security_opt"]
+        assert "secrets:/run/baton:ro" in svc["volumes"]
+        assert flag(svc["command"], "--grpc-tls-ca") == "/run/baton/ca.crt"
+        assert flag(svc["command"], "--grpc-tls-server-name") == "baton-internal"
+        assert svc["environment"]["BATON_REDIS_PASSWORD_FILE"] == "/run/baton/redis-password"
+        assert svc["environment"]["BATON_CLUSTER_SECRET_FILE"] == "/run/baton/cluster-secret"
+        assert "backend" in svc["networks"]
         assert "--advertise-host" not in svc["command"]  # wildcard host: each replica its own IP
     for pool in ("prefill", "decode"):
         svc = services[pool]
@@ -99,8 +127,20 @@ def test_compose_runs_as_the_issue_asks():
     assert degrees(services, "--pipeline-parallel-size") == ["1", "1"]
     assert degrees(load_compose({"PREFILL_PP": "2"})["services"], "--pipeline-parallel-size") == ["2", "1"]
     assert degrees(services, "--kv-cache-gib") == ["4", "4"]  # the engine's default
+    assert degrees(services, "--dtype") == ["auto", "auto"]
+    assert degrees(load_compose({"DTYPE": "float32"})["services"], "--dtype") == ["float32", "float32"]
     assert degrees(load_compose({"KV_CACHE_GIB": "8"})["services"], "--kv-cache-gib") == ["8", "8"]
     assert {"prefill", "decode"} <= set(services["gateway"]["depends_on"])
+    assert services["secrets"]["command"] == ["secrets", "/run/baton"]
+    assert services["redis"]["command"] == ["redis-server", "/run/baton/redis.conf"]
+    assert services["redis"]["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    # Only the gateway (and the monitoring UIs) publish, on loopback unless BATON_BIND says otherwise.
+    published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
+    assert set(published) == {"gateway", "prometheus", "grafana"}
+    assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports)
+    assert load_compose({"BATON_BIND": "0.0.0.0"})["services"]["gateway"]["ports"] == ["0.0.0.0:8000:8000"]
+    assert load_compose()["networks"]["backend"]["internal"] is True
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     for name in ("prometheus", "grafana"):
         assert services[name]["profiles"] == ["monitoring"]
 
@@ -188,10 +228,11 @@ def scrape_targets(job: dict) -> set[str]:
     return targets
 
 
-def replica(service: str, svc: dict, redis_hostport: str, logs: Path, index: int) -> Replica:
-    """``svc``'s command with the ``redis`` host mapped to ``redis_hostport`` and each port it opens
-    (``--port``, ``--metrics-port``) given a free local one; its healthcheck rewritten to match."""
-    argv = [a.replace("redis:6379", redis_hostport) for a in svc["command"]]
+def replica(service: str, svc: dict, redis_hostport: str, secrets: Path, logs: Path, index: int) -> Replica:
+    """``svc``'s command with the ``redis`` host mapped to ``redis_hostport``, the secrets volume to
+    ``secrets`` and each port it opens (``--port``, ``--metrics-port``) given a free local one; its
+    healthcheck rewritten to match."""
+    argv = [a.replace("redis:6379", redis_hostport).replace(SECRETS, str(secrets)) for a in svc["command"]]
     ports = {}
     for name in ("--port", "--metrics-port"):
         if name in argv:
@@ -203,9 +244,17 @@ def replica(service: str, svc: dict, redis_hostport: str, logs: Path, index: int
     check = [sys.executable if a == "python" else a for a in check[1:]]
     for container, local in ports.items():
         check = [a.replace(f"127.0.0.1:{container}", f"127.0.0.1:{local}") for a in check]
+    if "--port" in check:  # the health probe's own flag: the worker's gRPC port
+        i = check.index("--port") + 1
+        check[i] = str(ports[check[i]])
+    check = [a.replace(SECRETS, str(secrets)) for a in check]
     # A variable without a value is passed through from the shell, as Compose does.
     given = {k: os.environ.get(k) if v is None else str(v) for k, v in (svc.get("environment") or {}).items()}
-    env = {k: v.replace("redis:6379", redis_hostport) for k, v in given.items() if v is not None}
+    env = {
+        k: v.replace("redis:6379", redis_hostport).replace(SECRETS, str(secrets))
+        for k, v in given.items()
+        if v is not None
+    }
     return Replica(service, argv, env, check, ports, logs / f"{service}-{index}.log")
 
 
@@ -274,15 +323,21 @@ def cluster(tmp_path_factory):
     # default) spares them seconds of huge-page compaction at start.
     services = load_compose({"KV_CACHE_GIB": "1"})["services"]
     logs = tmp_path_factory.mktemp("compose")
-    redis = EmbeddedRedis()
+    # The one-shot `secrets` service first (its command, its volume a local folder), then Redis as
+    # redis.conf from it says: with the password.
+    secrets = tmp_path_factory.mktemp("secrets")
+    argv = [a.replace(SECRETS, str(secrets)) for a in services["secrets"]["command"]]
+    subprocess.run([sys.executable, "-m", "baton.services.cli", *argv], check=True, timeout=60)
+    password = (secrets / "redis-password").read_text()
+    redis = EmbeddedRedis(EmbeddedRedisConfig(password=password))
     url = redis.start()
-    hostport = url.removeprefix("redis://").split("/")[0]
+    hostport = url.removeprefix("redis://").split("@")[-1].split("/")[0]
     workers = [
-        replica(name, services[name], hostport, logs, i)
+        replica(name, services[name], hostport, secrets, logs, i)
         for name in ("prefill", "decode")
         for i in range(services[name]["deploy"]["replicas"])
     ]
-    gateway = replica("gateway", services["gateway"], hostport, logs, 0)
+    gateway = replica("gateway", services["gateway"], hostport, secrets, logs, 0)
     everything = [*workers, gateway]
     try:
         began = time.monotonic()
