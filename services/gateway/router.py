@@ -53,6 +53,12 @@ class Router:
     # A worker that failed mid-stream stays out of routing this long (the workers' registry TTL
     # is 6 s): a restarted worker registers a new address, so nothing live is kept out.
     FAILED_HOLD_S = 10.0
+    # A registry read that finds no worker at all, where the last one found some, is a Redis that
+    # restarted empty (or was flushed), not every worker leaving at once: the workers register again
+    # at their next heartbeat (every TTL / 3 = 2 s by default). Until this long has passed, routing
+    # goes on with the workers last seen beside those back already. A worker that really left
+    # refuses new work, and the request goes to another (or answers 503 as it would have).
+    REGISTRY_RESET_HOLD_S = 6.0
     # Keepalive on the channels to workers: a worker that stops answering (a hung process, a
     # dropped connection without a reset) fails its calls within ~4 s, also before a stream's first
     # token, when the gateway's progress deadline does not yet apply. The workers' servers allow
@@ -101,6 +107,9 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._in_flight: Counter[str] = Counter()
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
+        self._last_read: list[WorkerInfo] = []  # what the latest successful registry read found
+        self._held: list[WorkerInfo] = []  # the workers a registry reset left out, kept until:
+        self._reset_until = float("-inf")
 
     async def _redis(self, fn, *args):
         """``fn(*args)`` (a blocking Redis call) on the router's own threads (a few: each call is
@@ -152,9 +161,28 @@ class Router:
             return
         self._registry_error, self._read_ok_at = None, started
         self._registry_outage.ok()
+        workers = self._through_a_reset(workers, started)
         self._decode = [w for w in workers if w.role == "decode"]
         self._prefill = [w for w in workers if w.role == "prefill"]
         await self._close_unused_channels({w.grpc_address for w in self._decode})
+
+    def _through_a_reset(self, workers: list[WorkerInfo], now: float) -> list[WorkerInfo]:
+        """``workers`` as read, or, within ``REGISTRY_RESET_HOLD_S`` of a read that found none where
+        the read before found some (a Redis restarted empty), those beside the ones that read found
+        and that are not back yet."""
+        if not workers and self._last_read and now >= self._reset_until:
+            self._reset_until, self._held = now + self.REGISTRY_RESET_HOLD_S, self._last_read
+            log.warning(
+                "the worker registry is empty (a Redis restarted empty?): routing on the %d workers "
+                "last seen for up to %.0f s while they register again",
+                len(self._held),
+                self.REGISTRY_RESET_HOLD_S,
+            )
+        self._last_read = workers
+        if now >= self._reset_until:
+            return workers
+        back = {w.id for w in workers}
+        return [*workers, *(w for w in self._held if w.id not in back)]
 
     async def pick_decode(
         self, exclude: Collection[str] = (), prompt_token_ids: Sequence[int] = ()
@@ -187,7 +215,8 @@ class Router:
             await self.decode_workers()  # refreshes both lists
         except NoWorkerError:  # nothing read yet: ``pick_decode`` says so, in the API's shape
             return None
-        if not self._prefill:
+        candidates = self._prefill  # this list: a registry read during the lookup replaces it
+        if not candidates:
             return None
         cached = await self._cached_tokens(prompt_token_ids)
 
@@ -195,7 +224,7 @@ class Router:
             queued = max(self._reported(w, "queued_prefill_tokens"), self._queued_tokens[w.grpc_address])
             return len(prompt_token_ids) - cached.get(w.id, 0) + queued, w.id
 
-        return min(self._prefill, key=cost)
+        return min(candidates, key=cost)
 
     @contextmanager
     def track_prefill(self, address: str, num_tokens: int) -> Iterator[None]:
