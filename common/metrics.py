@@ -6,6 +6,10 @@ latencies are histograms observed by the service that sees the request's life.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Histogram, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
@@ -201,3 +205,33 @@ def stream_handoff(registry: CollectorRegistry, labels: dict[str, str]):
         list(labels),
         registry=registry,
     ).labels(**labels)
+
+
+def serve_metrics(port: int, addr: str, registry: CollectorRegistry) -> tuple[Any, threading.Thread]:
+    """``registry`` on ``http://addr:port/metrics`` (any path), in Prometheus' text format whatever
+    the scraper asks for; returns ``(server, thread)`` as ``prometheus_client.start_http_server``.
+
+    Why not ``start_http_server``: Prometheus asks for OpenMetrics first, and prometheus_client
+    (0.22 and later) then escapes every ``:`` of a name to ``_`` (``baton:num_requests_running``
+    becomes ``baton_num_requests_running``), so a real Prometheus stored no series under the names
+    the dashboards, alerts and autoscalers query. The text format keeps the names as written, like
+    the gateway's ``/metrics``.
+    """
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # a scrape every few seconds
+            pass
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+        return [body]
+
+    server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, name="baton-metrics", daemon=True)
+    thread.start()
+    return server, thread

@@ -219,9 +219,10 @@ def serve_restart_metrics(host: str, port: int, services: list[str]):
     """``baton:service_restarts_total{service=...}`` (a counter, 0 for each of ``services`` from the
     start) on ``http://host:port/metrics``, served by this process; ``port`` 0 picks one. Returns
     ``on_restart`` for the ``Supervisor`` and the port."""
-    from prometheus_client import CollectorRegistry, Counter, start_http_server
+    from prometheus_client import CollectorRegistry, Counter
 
     from baton.common.index.server import free_port
+    from baton.common.metrics import serve_metrics
 
     registry = CollectorRegistry()
     restarts = Counter(
@@ -233,7 +234,7 @@ def serve_restart_metrics(host: str, port: int, services: list[str]):
     for name in services:
         restarts.labels(service=name)
     port = port or free_port(host)
-    start_http_server(port, addr=host, registry=registry)
+    serve_metrics(port, host, registry)
     return (lambda name, code: restarts.labels(service=name).inc()), port
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
 from baton.common.engine.async_engine import (
@@ -40,6 +40,7 @@ from baton.common.metrics import (
     RegistryRejectsCollector,
     RequestMetrics,
     TransferCollector,
+    serve_metrics,
     stream_handoff,
 )
 from baton.common.transfer import TransferConfig
@@ -280,7 +281,7 @@ class DecodeWorker:
             )
             registry.register(RemotePrefillCollector(self._remote, labels))
         self.metrics_port = self.metrics_port or free_port(cfg.host)
-        self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
+        self._metrics_server, _ = serve_metrics(self.metrics_port, cfg.host, registry)
 
         remote = self._remote
         self._server, self.grpc_port = await start_grpc(

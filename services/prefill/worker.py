@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
@@ -40,7 +40,7 @@ from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
 from baton.common.index.server import free_port
-from baton.common.metrics import LATENCY_BUCKETS, EngineCollector
+from baton.common.metrics import LATENCY_BUCKETS, EngineCollector, serve_metrics
 from baton.common.transfer import (
     KVSender,
     TransferConfig,
@@ -384,7 +384,7 @@ class PrefillWorker:
             registry=registry,
         ).labels(**labels)
         self.metrics_port = self.metrics_port or free_port(cfg.host)
-        self._metrics_server, _ = start_http_server(self.metrics_port, addr=cfg.host, registry=registry)
+        self._metrics_server, _ = serve_metrics(self.metrics_port, cfg.host, registry)
 
         self._server, self.grpc_port = await start_grpc(
             cfg.host,
