@@ -31,6 +31,13 @@ def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
         help=f"compute dtype; auto: whichever runs the model's GEMMs faster on this CPU (default {dtype})",
     )
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache memory budget")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on cuda, size the KV cache instead as this fraction (0, 1] of the GPU's memory less what"
+        " is in use once the model is loaded, as vLLM does (default: off, --kv-cache-gib)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) to run on a GPU (default cpu)")
     p.add_argument(
         "--kv-cache-dtype",
@@ -230,6 +237,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         model=a.model,
         dtype=a.dtype,
         kv_cache_gib=a.kv_cache_gib,
+        gpu_memory_utilization=a.gpu_memory_utilization,
         device=a.device,
         kv_cache_dtype=a.kv_cache_dtype,
         quantization=a.quantization,
@@ -659,6 +667,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
     dtype, which ``baton up`` resolves first)."""
     flags = ["--kv-cache-gib", str(a.kv_cache_gib), "--kv-cache-dtype", a.kv_cache_dtype]
     flags += ["--device", a.device] if a.device != "cpu" else []
+    u = a.gpu_memory_utilization
+    flags += ["--gpu-memory-utilization", str(u)] if u is not None else []
     flags += ["--quantization", a.quantization] if a.quantization else []
     flags += [
         "--max-num-batched-tokens",
@@ -880,7 +890,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if (code := _bad_gpu_memory_utilization(a)) is not None:
+        return code
     return a.func(a)
+
+
+def _bad_gpu_memory_utilization(a: argparse.Namespace) -> int | None:
+    """2 (after saying why) for ``--gpu-memory-utilization`` out of (0, 1] or off a GPU, before
+    ``baton up`` starts workers that would each refuse it."""
+    if getattr(a, "gpu_memory_utilization", None) is None:
+        return None
+    from baton.common.engine.kv_budget import check_gpu_memory_utilization
+
+    try:
+        check_gpu_memory_utilization(a.gpu_memory_utilization, a.device, a.data_parallel_size)
+    except ValueError as e:
+        print(f"error: --gpu-memory-utilization: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 if __name__ == "__main__":

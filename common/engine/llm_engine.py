@@ -13,6 +13,7 @@ import torch
 from baton.common.engine.block_pool import BlockPool
 from baton.common.engine.cascade_plan import cascade_config
 from baton.common.engine.hashing import BlockHasher
+from baton.common.engine.kv_budget import check_gpu_memory_utilization, gpu_kv_cache_bytes
 from baton.common.engine.kv_cache_manager import KVCacheManager
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_block_bytes
 from baton.common.engine.outputs import CompletionOutput, RequestOutput
@@ -54,7 +55,11 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_gib: float = 4.0
-    """Memory budget for the KV cache; the cache never exceeds it."""
+    """Memory budget for the KV cache; the cache never exceeds it. Unused with
+    ``gpu_memory_utilization``."""
+    gpu_memory_utilization: float | None = None
+    """On CUDA, the KV cache's size instead (vLLM's option, off by default here): this fraction
+    (0, 1] of the GPU's memory less what is in use once the model is loaded (``kv_budget``)."""
     kv_cache_dtype: str = "auto"
     """KV cache storage (vLLM's names): ``auto`` (the model dtype), ``int8``, ``fp8_e4m3`` or
     ``fp8_e5m2`` (1-byte codes with a scale per token and head; ~2x the tokens per GiB)."""
@@ -121,6 +126,7 @@ class EngineConfig:
 
         check_quantization(self.quantization)
         cascade_config(self.cascade, self.cascade_min_shared_blocks)  # ValueError for bad options
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.device, self.data_parallel_size)
         for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -146,6 +152,14 @@ def _device_available(device: str) -> bool:
     except (RuntimeError, AssertionError):  # no CUDA build, no GPU, or no such index
         return False
     return True
+
+
+def _gpu_memory(device: str) -> tuple[int, int]:
+    """``device``'s total memory and what is in use on it now, every process counted (the CUDA
+    context, this one's tensors); blocks torch's allocator caches but no tensor holds are freed first."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return total, total - free
 
 
 class EngineFullError(Exception):
@@ -206,15 +220,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
-        block_bytes = kv_cache_block_bytes(model, config.block_size, self.dtype, config.kv_cache_dtype)
-        # One block of the budget is the scratch block where a step's padding rows store their KV
-        # (ModelRunner.prepare); the pool never hands it out.
-        num_blocks = int(config.kv_cache_gib * 2**30) // block_bytes - 1
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_gib={config.kv_cache_gib} holds {max(num_blocks, 0) * config.block_size} tokens, "
-                f"less than max_model_len={self.max_model_len}"
-            )
+        num_blocks = self._num_kv_blocks(draft_model)
         self.kv_cache = allocate_kv_cache(
             model, num_blocks + 1, config.block_size, self.dtype, config.device, config.kv_cache_dtype
         )
@@ -275,6 +281,30 @@ class LLMEngine:
         self.num_failed_requests_total = 0
         self._failed_steps_in_a_row = 0
         self.num_refused_requests_total = 0  # the waiting queue was full (``check_queue_room``)
+
+    def _num_kv_blocks(self, draft_model) -> int:
+        """Blocks in the pool: what the budget (``kv_cache_gib``, or ``gpu_memory_utilization`` of
+        this device measured now, the model loaded and no cache yet) holds. Tensor- and pipeline-
+        parallel ranks allocate as many blocks of their own shape: rank 0 sizes the cache for all,
+        its stage holding the most layers (``stage_layers``)."""
+        config = self.config
+        block_bytes = kv_cache_block_bytes(self.model, config.block_size, self.dtype, config.kv_cache_dtype)
+        if config.gpu_memory_utilization is None:
+            budget, what = int(config.kv_cache_gib * 2**30), f"kv_cache_gib={config.kv_cache_gib}"
+        else:
+            budget = gpu_kv_cache_bytes(config.gpu_memory_utilization, *_gpu_memory(config.device))
+            what = f"gpu_memory_utilization={config.gpu_memory_utilization} ({budget / 2**30:.2f} GiB)"
+            if draft_model is not None:  # its cache has as many blocks, out of the same memory
+                block_bytes += kv_cache_block_bytes(draft_model, config.block_size, self.dtype)
+        # One block of the budget is the scratch block where a step's padding rows store their KV
+        # (ModelRunner.prepare); the pool never hands it out.
+        num_blocks = budget // block_bytes - 1
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"{what} holds {max(num_blocks, 0) * config.block_size} tokens, "
+                f"less than max_model_len={self.max_model_len}"
+            )
+        return num_blocks
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:

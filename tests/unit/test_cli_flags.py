@@ -96,3 +96,18 @@ def test_parallel_workers_move_kv_over_ucx_only(capsys):
     ):
         assert cli.main(argv) == 2, argv
         assert "ucx only" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_reaches_workers_and_is_refused_off_a_gpu(capsys):
+    from baton.services import cli
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args(["decode"]))["gpu_memory_utilization"] is None  # off
+    assert "--gpu-memory-utilization" not in _engine_flags(parser.parse_args(["up"]))
+    flags = _engine_flags(parser.parse_args(["up", "--device", "cuda", "--gpu-memory-utilization", "0.9"]))
+    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["gpu_memory_utilization"] == 0.9
+    # refused before any worker starts or any weight is read
+    assert cli.main(["up", "--gpu-memory-utilization", "0.9"]) == 2
+    assert "on device 'cpu' give kv_cache_gib" in capsys.readouterr().err
+    assert cli.main(["decode", "--device", "cuda", "--gpu-memory-utilization", "1.5"]) == 2
+    assert "must be in (0, 1], got 1.5" in capsys.readouterr().err

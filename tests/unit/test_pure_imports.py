@@ -15,6 +15,7 @@ import pytest
 PURE_MODULES = [
     "baton.common.engine.hashing",
     "baton.common.engine.block_pool",
+    "baton.common.engine.kv_budget",
     "baton.common.engine.kv_cache_manager",
     "baton.common.engine.request",
     "baton.common.engine.sampling_params",
