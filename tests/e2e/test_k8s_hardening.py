@@ -2,7 +2,8 @@
 and variant (tests/e2e/k8s_render.py): Pod Security "restricted" for every pod, read-only root
 filesystems, no Secret shipped, mutual TLS on the internal gRPC, who may reach what under the
 NetworkPolicies, the decode pods' RBAC, pinned images, the ServiceMonitor's job names against the
-Grafana dashboard's, Redis' bounds and budget, and the GPU overlay's GPUs, /dev/shm and NCCL. The
+Grafana dashboard's, Redis' bounds and budget, and the GPU overlay's GPUs, /dev/shm, NCCL and KV
+cache as a fraction of the GPU's memory. The
 rules themselves are written out in tests/e2e/k8s_policy.py; tests/e2e/test_k8s.py runs the pods."""
 
 from __future__ import annotations
@@ -386,12 +387,17 @@ def test_each_worker_pods_cpu_limit_is_its_request(rendered):
             assert resources["limits"]["cpu"] == resources["requests"]["cpu"], (name, role)
 
 
-def test_gpu_workers_take_a_gpu_per_rank_a_memory_shm_and_nccl_settings(rendered):
+def test_gpu_workers_take_a_gpu_per_rank_a_memory_shm_nccl_settings_and_a_memory_fraction(rendered):
     docs = rendered["gpu"]
     config = find(docs, "ConfigMap", "baton-config")["data"]
+    assert config["GPU_MEMORY_UTILIZATION"] == "0.9"  # vLLM's default
     for role in ("prefill", "decode"):
         template = _template(docs, role)
         container = template["spec"]["containers"][0]
+        # the KV cache is a fraction of the GPU's memory, not the base's size in GiB
+        assert _flag(container["args"], "--gpu-memory-utilization") == "$(GPU_MEMORY_UTILIZATION)", role
+        assert "--kv-cache-gib" not in container["args"], role
+        assert _flag(_container(rendered["cpu"], role)["args"], "--kv-cache-gib") == "$(KV_CACHE_GIB)"
         ranks = int(config[f"{role.upper()}_TP"]) * int(config[f"{role.upper()}_PP"])
         resources = container["resources"]
         assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == str(ranks)
