@@ -133,7 +133,23 @@ class Project:
         return self.compose("logs", "--no-color", "--tail", str(tail), timeout=60, check=False).stdout[-8000:]
 
     def down(self) -> None:
-        self.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=300, check=False)
+        """Every container of the project, the monitoring profile's too (a plain `down` leaves a
+        profile's containers running), its networks and volumes."""
+        self.compose(
+            "--profile",
+            "monitoring",
+            "down",
+            "-v",
+            "--remove-orphans",
+            "--timeout",
+            "10",
+            timeout=300,
+            check=False,
+        )
+        left = run(
+            [docker(), "ps", "-aq", "--filter", f"label=com.docker.compose.project={self.name}"], 60
+        ).stdout
+        assert not left.split(), f"containers of {self.name} left after down: {left.split()}"
 
 
 def total(samples: dict[str, float], name: str) -> float:

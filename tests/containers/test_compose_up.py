@@ -72,8 +72,9 @@ def client(project) -> openai.OpenAI:
     )
 
 
-def complete(client: openai.OpenAI, prompt: str) -> tuple[str, int]:
-    """One greedy completion streamed to its end: (text, completion tokens)."""
+def complete(client: openai.OpenAI, prompt: str, on_piece=lambda: None) -> tuple[str, int]:
+    """One greedy completion streamed to its end: (text, completion tokens); ``on_piece()`` after
+    each piece of text."""
     text, tokens = [], 0
     stream = client.completions.create(
         model="SmolLM2-135M-Instruct",
@@ -86,6 +87,7 @@ def complete(client: openai.OpenAI, prompt: str) -> tuple[str, int]:
     for chunk in stream:
         if chunk.choices:
             text.append(chunk.choices[0].text)
+            on_piece()
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
     return "".join(text), tokens
@@ -176,25 +178,14 @@ def stream_all(client, prompts, started: threading.Event | None = None, after: i
     counts = {p: 0 for p in prompts}
     lock = threading.Lock()
 
+    def counted(prompt: str) -> None:
+        with lock:
+            counts[prompt] += 1
+            if started and all(n >= after for n in counts.values()):
+                started.set()
+
     def one(prompt: str) -> tuple[str, int]:
-        text, tokens = [], 0
-        for chunk in client.completions.create(
-            model="SmolLM2-135M-Instruct",
-            prompt=prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        ):
-            if chunk.choices:
-                text.append(chunk.choices[0].text)
-                with lock:
-                    counts[prompt] += 1
-                    if started and all(n >= after for n in counts.values()):
-                        started.set()
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return "".join(text), tokens
+        return complete(client, prompt, lambda: counted(prompt))
 
     pool = futures.ThreadPoolExecutor(len(prompts))
     return pool, {p: pool.submit(one, p) for p in prompts}
