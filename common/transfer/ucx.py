@@ -193,6 +193,8 @@ class UcxReceiver(TableReceiver):
         self._runtime: UcxRuntime | None = None
         self._tasks: set[asyncio.Task] = set()
         self._control_tag = 0
+        self._posted: list[Any] = []
+        """Buffers of receives given up on (timed out, failed): see ``_keep_posted``."""
 
     def start(self) -> TransferDescriptor:
         if self._runtime is not None:
@@ -260,15 +262,16 @@ class UcxReceiver(TableReceiver):
         import ucxx
 
         tag = preamble.tag
+        tail = bytearray(max(preamble.header_len - len(header_head), 0))
         try:
             raw = header_head
-            if len(raw) < preamble.header_len:  # the rest of a long header follows on the tag
-                tail = bytearray(preamble.header_len - len(raw))
+            if tail:  # the rest of a long header follows on the tag
                 await asyncio.wait_for(ucxx.recv(tail, tag), self.config.timeout_s)
                 raw += tail
             header = decode_header(raw)
         except Exception as e:
             logger.error("KV message %#x: no header: %r", tag, e)
+            self._keep_posted([tail])
             return
         landing = self._claim(header, peer=tag >> 32)
         targets = self._targets(header, landing)
@@ -279,11 +282,25 @@ class UcxReceiver(TableReceiver):
             await asyncio.wait_for(receives, self.config.timeout_s)
         except Exception as e:
             error = TransferError(f"receiving transfer {header.transfer_id!r}: {e!r}")
+            self._keep_posted(targets)
         except asyncio.CancelledError:
             error = TransferError("receiver closed")
             raise
         finally:
             self._settle(header, landing, targets, time.perf_counter() - started, error)
+
+    @property
+    def abandoned_receives(self) -> int:
+        """Buffers held for receives this receiver gave up on (``_keep_posted``)."""
+        return len(self._posted)
+
+    def _keep_posted(self, buffers: list[Any]) -> None:
+        """Keep the buffers of receives this receiver gave up on alive for as long as it lives.
+        Cancelling the awaits does not withdraw the receives UCX posted (ucxx cannot cancel one), so
+        a message that arrives late (a cut link that comes back) is still written where they point:
+        into freed memory, had the buffers been dropped (the decode worker died of SIGSEGV in
+        tests/hosts). Views of the cache cost nothing; scratch buffers only for failed messages."""
+        self._posted.extend(buffers)
 
     # -- where a message's payloads go (``heads.HeadSliceReceiver`` receives head slices) --------
     def _claim(self, header: Header, peer: int) -> bool:

@@ -87,3 +87,35 @@ def test_malformed_sends_and_expects_raise(backend):
         receiver.expect("t", [8])
     with pytest.raises(ValueError, match="contiguous"):
         make_receiver(config, torch.zeros(4, 8).t()).start()
+
+
+def test_a_receive_given_up_on_keeps_its_buffers_and_the_receiver_goes_on():
+    # The sender stops after a message's head (a prefill host cut off): the receiver's posted payload
+    # receives time out but stay posted in UCX, so their buffers must outlive them (freed, a late
+    # payload was written into freed memory: the decode worker died of SIGSEGV in tests/hosts).
+    quick = TransferConfig(backend="ucx", timeout_s=0.5)
+    cache = torch.zeros(16, 4, 8)
+    with make_receiver(quick, cache) as receiver:
+        descriptor = receiver.start()
+        given_up = receiver.expect("held", [0, 1])
+        # After one block, the next message goes out as a head without its payload.
+        held_config = TransferConfig(backend="ucx", timeout_s=0.5, fault_hold_payload_after_blocks=1)
+        held = make_sender(held_config, torch.ones(16, 4, 8))
+        try:
+            held.connect(descriptor)
+            held.send("held", [2], [0])
+            held.send("held", [3], [1])
+            with pytest.raises(TransferError):
+                given_up.wait(10)
+        finally:
+            held.close()
+        assert receiver.abandoned_receives >= 1
+        # And the next transfer, from another sender, lands.
+        src = torch.full((16, 4, 8), 3.0)
+        with make_sender(TransferConfig(backend="ucx", timeout_s=10.0), src) as good:
+            handle = receiver.expect("good", [5])
+            good.connect(descriptor)
+            good.send("good", [7], [5])
+            good.finish("good").wait(10)
+            handle.wait(10)
+    assert torch.equal(cache[5], torch.full((4, 8), 3.0))
