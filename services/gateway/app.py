@@ -85,6 +85,9 @@ class GatewayConfig:
     """The workers' KV block size: prompts are hashed in blocks of it for prefix-aware routing."""
     prefix_index_max_entries: int = 1_000_000
     """Bound of the model's prefix index (the workers use the same)."""
+    prefix_lookup_timeout_s: float = 0.5
+    """Bound of a prefix-index lookup in a request's path: past it the request is routed on load
+    alone (a slow Redis costs a routing hint, not latency)."""
     max_migrations: int = 3
     """Times one decode request may resume on another decode worker after its own fails."""
     stream_progress_timeout_s: float = 10.0
@@ -272,6 +275,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         config.registry_refresh_s,
         prefix_index=index,
         block_size=config.block_size,
+        lookup_timeout_s=config.prefix_lookup_timeout_s,
         tls=config.grpc_tls,
     )
     gw = Gateway(config, load_tokenizer(source), source.name, router)

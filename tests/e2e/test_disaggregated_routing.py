@@ -40,17 +40,21 @@ def cluster():
         for w in (*prefills, decode):
             run(w.start())
         port = free_port()
-        gateway = make_server(GatewayConfig(port=port, redis_url=url, log_level="warning"))
+        # A busy 2-core runner can take longer than the default 0.5 s for a Redis lookup; this test is
+        # about where a found prefix routes, not about the lookup's bound (test_gateway_outage's).
+        config = GatewayConfig(port=port, redis_url=url, log_level="warning", prefix_lookup_timeout_s=10.0)
+        gateway = make_server(config)
         gthread = threading.Thread(target=gateway.run, daemon=True)
         gthread.start()
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while True:
             try:
                 if len(httpx.get(f"{base}/workers", timeout=2).json()["workers"]) == 3:
                     break
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
+            assert time.monotonic() < deadline, "the 3 workers did not register with the gateway in 60 s"
             time.sleep(0.1)
         yield base, url, prefills, decode
     finally:
@@ -82,8 +86,9 @@ def _wait_idle(base: str) -> None:
             for w in workers
         )
 
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not idle():
+    deadline = time.monotonic() + 60
+    while not idle():
+        assert time.monotonic() < deadline, "the workers still report load 60 s after the last request"
         time.sleep(0.2)
 
 
@@ -99,10 +104,9 @@ def test_prefix_goes_to_its_prefill_worker_and_turns_move_only_new_blocks(cluste
     index = PrefixIndex(redis.Redis.from_url(url), MODEL, max_entries=10**6)
     ids = {p.worker_id for p in prefills}
     hashes = [BlockHasher(16).hash_blocks(p) for p in prefixes]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(
-        any(w in ids and n == 10 for w, n in index.longest_prefix(h).items()) for h in hashes
-    ):
+    deadline = time.monotonic() + 60
+    while not all(any(w in ids and n == 10 for w, n in index.longest_prefix(h).items()) for h in hashes):
+        assert time.monotonic() < deadline, "the prefill workers did not index all 4 prefixes in 60 s"
         time.sleep(0.1)
     _wait_idle(base)
 
@@ -111,9 +115,13 @@ def test_prefix_goes_to_its_prefill_worker_and_turns_move_only_new_blocks(cluste
     block_bytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
     bytes_before = decode._receiver.stats().bytes
     remote_before = engine.num_remote_prefills_total
+    hits = []
     for i, p in enumerate(prefixes):  # the next turn: same prefix, a new 48-token tail
+        before = [w.engine.engine.kv.prefix_cache_hits for w in prefills]
         _complete(base, p + [21 + i] * 48)
+        hits.append([w.engine.engine.kv.prefix_cache_hits - b for w, b in zip(prefills, before)])
     # Every second-turn prompt found its 160-token prefix on the prefill worker it was sent to...
+    assert all(max(h) >= 160 for h in hits), f"cached tokens found per turn, per prefill worker: {hits}"
     assert sum(p.engine.engine.kv.prefix_cache_hits for p in prefills) - hits_before >= 4 * 160
     # ...was prefilled remotely, and moved only the 3 blocks past the 10 the decode worker holds.
     assert engine.num_remote_prefills_total - remote_before == 4
