@@ -885,6 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
     from baton.bench import accuracy as bench_accuracy
 
     bench_accuracy.register(bench)
+    from baton.bench import roofline as bench_roofline
+
+    bench_roofline.register(bench)
     return parser
 
 

@@ -26,6 +26,7 @@ PURE_MODULES = [
     "baton.common.index.registry",
     "baton.kernels.kv_cache_dtypes",
     "baton.kernels.isa",
+    "baton.bench.roofline",
     "baton.planner.profile",
     "baton.services.cli",
     "baton.services.cluster_auth",
