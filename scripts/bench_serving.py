@@ -1,4 +1,5 @@
-"""The serving figures of docs/benchmarks.md, in one run: W2 at several rates against Baton
+"""The serving figures of docs/bench/journal.md's W2-W5 sections (summarised in docs/benchmarks.md's
+"W2 across layouts" and "W3, W4, W5"), in one run: W2 at several rates against Baton
 disaggregated (1 prefill + 1 decode worker, one core each), Baton colocated (one worker, both cores)
 and vLLM (when ``--vllm-serve`` is given), all measured by ``baton bench serve``; then W3 with two
 prefill workers and W4, and a plot per rate.
@@ -7,8 +8,8 @@ prefill workers and W4, and a plot per rate.
         --vllm-serve PEER/vllm_serve.sh --vllm-bench PEER/venv/bin/vllm
 
 ``--vllm-serve`` is a command that starts ``vllm serve`` on the port given as its first argument
-(see docs/benchmarks.md); ``--vllm-bench`` runs ``vllm bench serve`` against it at the middle rate,
-to check that both clients agree. Each server is started, measured and stopped in turn, so that
+(the peer, as docs/benchmarks.md starts it); ``--vllm-bench`` runs ``vllm bench serve`` against it
+at the middle rate, to check that both clients agree. Each server is started, measured and stopped in turn, so that
 nothing else runs on the cores while one is measured.
 """
 
@@ -163,7 +164,7 @@ def main() -> int:
 
 
 def summary(out: Path, rates: list[str]) -> str:
-    """The W2 table of docs/benchmarks.md."""
+    """The W2 table of docs/bench/journal.md ("W2: goodput under load")."""
     lines = [
         "| rate (req/s) | system | goodput (req/s) | throughput (req/s) | p50/p99 TTFT (ms) | p50/p99 TPOT (ms) | p99 ITL (ms) |",
         "|---|---|---|---|---|---|---|",

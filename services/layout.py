@@ -2,9 +2,9 @@
 or none, which cores each worker gets, and the compute dtype. Pure: the machine's figures come in
 as a ``gemm_probe.GemmProbe`` (read as a dict), the decision and its reasons go out.
 
-The rule, from W2 on the 2-core development machines (``docs/benchmarks.md``): a prefill worker
-of its own pays when the cores it takes cost decoding little, so that the decode worker, never
-stalled by a prompt, keeps its TPOT. A prefill worker gets a quarter of the cores (at least one);
+The rule, from W2 on the 2-core development machines (``docs/bench/journal.md``: "The served path
+against the engine" and "W2: goodput under load"): a prefill worker of its own pays when the cores
+it takes cost decoding little, so that the decode worker, never stalled by a prompt, keeps its TPOT. A prefill worker gets a quarter of the cores (at least one);
 if the decode step on the remaining cores is at most ``MAX_DECODE_SLOWDOWN`` times slower than on
 all of them, the cluster is disaggregated, otherwise one worker prefills and decodes on every core.
 On a Xeon with AMX the decode step on 1 core took 2.1x its time on 2, and colocated serving met
