@@ -36,6 +36,7 @@ from pathlib import Path
 
 from baton.bench import proc_stats
 from baton.common.launch import python_module
+from baton.common.net import free_port
 
 MODEL_HEADER = {"content-type": "application/json"}
 
@@ -79,17 +80,9 @@ class Breakdown:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cluster(up_args: tuple[str, ...], logs: Path, timeout_s: float) -> tuple[subprocess.Popen, int]:
     """``baton up`` on a free port in its own process group; returns once it says it is ready."""
-    port = _free_port()
+    port = free_port()
     cmd = [*python_module("baton.services.cli"), "up", "--port", str(port), "--log-dir", str(logs)]
     proc = subprocess.Popen(
         [*cmd, *up_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -89,8 +89,9 @@ def _stream(base: str, tokens: int) -> int:
 
 def run(streams: int, tokens: int, host: str = "127.0.0.1") -> GatewayCost:
     from baton.common.index.registry import WorkerInfo, WorkerRegistry
-    from baton.common.index.server import EmbeddedRedis, free_port
+    from baton.common.index.server import EmbeddedRedis
     from baton.common.model.source import ModelSource
+    from baton.common.net import free_port
     from baton.services.procs import ProcessGroup, baton_command, wait_http_ok
 
     redis_server = EmbeddedRedis()

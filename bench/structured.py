@@ -204,7 +204,8 @@ def _counters(metrics_url: str) -> dict[str, float]:
 def baton_cluster(jump_forward: bool, dtype: str) -> Iterator[tuple[str, str]]:
     """Redis, a colocated decode worker and the gateway in this process: (gateway URL, metrics URL)."""
     from baton.common.engine.llm_engine import EngineConfig
-    from baton.common.index.server import EmbeddedRedis, free_port
+    from baton.common.index.server import EmbeddedRedis
+    from baton.common.net import free_port
     from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
     from baton.services.gateway.app import GatewayConfig, make_server
 

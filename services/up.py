@@ -191,11 +191,11 @@ def start_redis(
 
     from baton.common.index.server import (
         find_redis_server,
-        free_port,
         ping,
         server_args,
         write_password_config,
     )
+    from baton.common.net import free_port
 
     binary = find_redis_server()
     workdir = tempfile.mkdtemp(prefix="baton-redis-")
@@ -221,8 +221,8 @@ def serve_restart_metrics(host: str, port: int, services: list[str]):
     ``on_restart`` for the ``Supervisor`` and the port."""
     from prometheus_client import CollectorRegistry, Counter
 
-    from baton.common.index.server import free_port
     from baton.common.metrics import serve_metrics
+    from baton.common.net import free_port
 
     registry = CollectorRegistry()
     restarts = Counter(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.common.index.auth import with_credentials
+from baton.common.net import free_port
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -60,13 +61,6 @@ def find_redis_server() -> str:
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
     raise EmbeddedRedisError(f"no executable bin/redis-server in {list(spec.submodule_search_locations)}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:

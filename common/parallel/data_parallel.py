@@ -430,7 +430,7 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
     """Start replicas 1..N-1, build replica 0 here, and return the front over them."""
     import torch
 
-    from baton.common.index.server import free_port
+    from baton.common.net import free_port
     from baton.common.parallel.driver import _build_kernels, _cpu_shares
 
     size = config.data_parallel_size

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from baton.common.index.server import free_port
 from baton.common.model.pipeline_parallel import split_micro_batches, stage_layers
+from baton.common.net import free_port
 from baton.common.parallel import messages
 from baton.common.parallel.driver import (
     RankFailedError,

@@ -34,7 +34,6 @@ from baton.common.engine.async_engine import (
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.index.outage import OutageLog
 from baton.common.index.registry import WorkerInfo, WorkerRegistry
-from baton.common.index.server import free_port
 from baton.common.metrics import (
     EngineCollector,
     RegistryRejectsCollector,
@@ -43,6 +42,7 @@ from baton.common.metrics import (
     serve_metrics,
     stream_handoff,
 )
+from baton.common.net import free_port
 from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer

@@ -39,8 +39,8 @@ from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, Engin
 from baton.common.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
-from baton.common.index.server import free_port
 from baton.common.metrics import LATENCY_BUCKETS, EngineCollector, serve_metrics
+from baton.common.net import free_port
 from baton.common.transfer import (
     KVSender,
     TransferConfig,

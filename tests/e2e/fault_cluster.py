@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.common.index.server import free_port
+from baton.common.net import free_port
 from tests.procs import die_with_parent
 
 T = TypeVar("T")

@@ -30,7 +30,8 @@ import tomllib
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig, free_port
+from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig
+from baton.common.net import free_port
 
 # Three workers with compose.yaml's own settings (a 4 GiB KV cache each): beside another module's
 # cluster they would not fit in a 24 GiB machine, so `make test` runs this module alone.

@@ -16,7 +16,8 @@ import redis
 from baton.common.engine.hashing import BlockHasher
 from baton.common.engine.llm_engine import EngineConfig
 from baton.common.index.prefix_index import PrefixIndex
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
 from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig

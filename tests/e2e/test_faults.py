@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

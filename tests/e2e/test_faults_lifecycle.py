@@ -32,7 +32,8 @@ from baton.common.api.convert import params_to_proto
 from baton.common.engine.llm_engine import EngineConfig
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.index.registry import WorkerRegistry
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server

@@ -24,7 +24,8 @@ from baton.common.engine.llm_engine import EngineConfig
 from baton.common.index.client import connect
 from baton.common.index.prefix_index import PrefixIndex
 from baton.common.index.registry import WorkerRegistry
-from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig, free_port
+from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig
+from baton.common.net import free_port
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, create_app
 

@@ -16,8 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.common.index.client import connect
 from baton.common.index.registry import WorkerInfo, WorkerRegistry
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
 from baton.common.model.source import ModelSource
+from baton.common.net import free_port
 from baton.protos import baton_pb2_grpc
 from baton.services.gateway.app import GatewayConfig
 from tests.e2e.tiny_gateway import build_tiny_llama, decode_worker, gateway

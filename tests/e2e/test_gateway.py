@@ -15,8 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from baton.common.engine.llm_engine import EngineConfig
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
 from baton.common.llm import SamplingParams
+from baton.common.net import free_port
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, create_app, make_server
 

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.services.gateway.app import GatewayConfig
 from baton.services.procs import ProcessGroup
 from baton.services.up import wait_connected

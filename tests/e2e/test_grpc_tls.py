@@ -80,7 +80,8 @@ def tls_cluster(pki, tmp_path_factory):
     import threading
 
     from baton.common.engine.llm_engine import EngineConfig
-    from baton.common.index.server import EmbeddedRedis, free_port
+    from baton.common.index.server import EmbeddedRedis
+    from baton.common.net import free_port
     from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
     from baton.services.gateway.app import GatewayConfig
     from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig
@@ -130,7 +131,7 @@ def test_a_gateway_without_a_certificate_reaches_no_worker(tls_cluster):
 
     import httpx
 
-    from baton.common.index.server import free_port
+    from baton.common.net import free_port
     from baton.services.gateway.app import GatewayConfig, make_server
     from tests.e2e.tiny_gateway import wait_for
 

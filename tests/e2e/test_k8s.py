@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baton.common.index.server import find_redis_server, free_port
+from baton.common.index.server import find_redis_server
 from baton.common.launch import python_module
+from baton.common.net import free_port
 from baton.services.procs import baton_command
 from tests.e2e.k8s_render import K8S, ROLES, find, rel, render, render_all, secret_data, write_kustomization
 from tests.e2e.pod_certs import write_tls_dir

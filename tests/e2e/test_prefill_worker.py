@@ -19,8 +19,8 @@ from baton.common.api.convert import params_to_proto
 from baton.common.engine.llm_engine import EngineConfig
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
 from baton.common.engine.scheduler import ScheduledRequest, SchedulerOutput
-from baton.common.index.server import free_port
 from baton.common.llm import SamplingParams
+from baton.common.net import free_port
 from baton.common.transfer import TransferConfig, TransferDescriptor, TransferError, make_receiver
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.prefill.worker import PrefillWorker, PrefillWorkerConfig, _TransferCollector

@@ -20,7 +20,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.services.gateway.app import GatewayConfig
 from tests.e2e.tiny_gateway import build_tiny_llama, decode_worker, gateway
 

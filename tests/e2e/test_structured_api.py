@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.services.gateway.app import GatewayConfig
 from tests.e2e.tiny_gateway import build_tiny_llama, decode_worker, gateway
 

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
+from baton.common.net import free_port
 from baton.services.gateway.app import GatewayConfig
 
 from .fault_cluster import GatewayThread, WorkerProcess, metric, tiny_model, wait_for

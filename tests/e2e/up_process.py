@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.common.index.server import free_port
+from baton.common.net import free_port
 from tests.procs import die_with_parent
 
 

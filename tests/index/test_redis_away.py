@@ -23,7 +23,8 @@ from baton.common.index.locations import BlockLocations, LocationRecorder
 from baton.common.index.prefix_index import PrefixIndex
 from baton.common.index.publisher import CachePublisher
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
-from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig, free_port
+from baton.common.index.server import EmbeddedRedis, EmbeddedRedisConfig
+from baton.common.net import free_port
 
 from .helpers import pid_alive, wait_until
 

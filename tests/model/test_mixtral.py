@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from baton.common.engine.sampling_params import SamplingParams
-from baton.common.index.server import free_port
 from baton.common.llm import LLM
 from baton.common.model.config import LlamaConfig
 from baton.common.model.loader import read_config
 from baton.common.model.mixtral import MixtralConfig, MixtralForCausalLM, assemble_experts
 from baton.common.model.moe import SparseMoE
 from baton.common.model.source import ModelSource
+from baton.common.net import free_port
 from baton.common.parallel.expert import ExpertDispatch, expert_split, keep_experts
 from baton.common.parallel.group import GroupConfig, RankGroup
 from tests.model.tiny_mixtral import HIDDEN as TINY_HIDDEN
