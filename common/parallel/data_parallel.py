@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, replace
 
 from baton.common.engine.llm_engine import EngineConfig, EngineFullError, EngineStepError, LLMEngine
 from baton.common.launch import python_module
-from baton.common.parallel.driver import _close_pipes, _wait
 from baton.common.parallel.messages import read_object, send_object
+from baton.common.parallel.ranks import build_kernels, close_pipes, cpu_shares, wait_exit
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class DataParallelEngine:
                 outputs += self.local.step()
             except Exception as e:
                 for p in self.workers:  # a peer's death is the likelier cause: name it if so
-                    _wait(p, 1.0)
+                    wait_exit(p, 1.0)
                 raise self._fail(e) from e
         for r in remote:
             reply = self._hear(r)
@@ -340,7 +340,7 @@ class DataParallelEngine:
         try:
             send_object(p.stdin.fileno(), msg)
         except OSError as e:  # BrokenPipeError: that replica is gone
-            _wait(p, 1.0)
+            wait_exit(p, 1.0)
             raise self._fail(e) from e
 
     def _hear(self, r: int) -> _Reply:
@@ -348,7 +348,7 @@ class DataParallelEngine:
         assert p.stdout is not None
         reply = read_object(p.stdout.fileno())
         if reply is None:
-            _wait(p, 1.0)
+            wait_exit(p, 1.0)
             raise self._fail(EOFError(f"replica {r} closed its pipe"))
         return reply
 
@@ -358,10 +358,10 @@ class DataParallelEngine:
         if not self.workers:
             return
         for p in self.workers:
-            _close_pipes(p)
+            close_pipes(p)
         deadline = time.monotonic() + timeout_s
         for p in self.workers:
-            if not _wait(p, max(0.0, deadline - time.monotonic())):
+            if not wait_exit(p, max(0.0, deadline - time.monotonic())):
                 p.kill()
                 p.wait(5)
         self.workers = []
@@ -431,7 +431,6 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
     import torch
 
     from baton.common.net import free_port
-    from baton.common.parallel.driver import _build_kernels, _cpu_shares
 
     size = config.data_parallel_size
     if config.tensor_parallel_size > 1 or getattr(config, "pipeline_parallel_size", 1) > 1:
@@ -444,8 +443,8 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
         raise ValueError("speculative decoding is not supported with expert-parallel data-parallel attention")
     one = asdict(_resolved(config))
     group = ("127.0.0.1", free_port(), 120.0) if dp_attention else None
-    _build_kernels(config.device)  # the replicas then import it, not build it inside a collective
-    shares = _cpu_shares(size)
+    build_kernels(config.device)  # the replicas then import it, not build it inside a collective
+    shares = cpu_shares(size)
     specs = [ReplicaSpec(r, size, one, shares[r], group) for r in range(size)]
     workers: list[subprocess.Popen] = []
     saved = torch.get_num_threads()
@@ -463,7 +462,7 @@ def launch(config: EngineConfig, progress: bool = False, timeout_s: float = 300.
         for p in workers:
             p.kill()
             p.wait(5)
-            _close_pipes(p)
+            close_pipes(p)
         torch.set_num_threads(saved)
         raise
     front = DataParallelEngine(config, local, workers, expert_group, saved)

@@ -13,8 +13,6 @@ pipe, a collective whose peer is gone, or one past its timeout); every later cal
 from __future__ import annotations
 
 import atexit
-import os
-import select
 import subprocess
 import threading
 import time
@@ -23,19 +21,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from baton.common.launch import python_module
 from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits, plan_shard
 from baton.common.net import free_port
 from baton.common.parallel import messages
 from baton.common.parallel.group import GroupConfig, RankGroup
+from baton.common.parallel.ranks import (
+    RankFailedError,
+    await_ready,
+    build_kernels,
+    close_pipes,
+    cpu_shares,
+    rank_device,
+    spawn,
+    wait_exit,
+)
 from baton.common.parallel.worker import WorkerSpec
-
-
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank has died or stopped answering: the model cannot run any more."""
-
-    fatal = True
-    """The engine gives up at once (``LLMEngine._after_failed_step``) instead of retrying steps."""
 
 
 @dataclass(frozen=True)
@@ -51,29 +51,6 @@ class ParallelConfig:
     rank's torch threads match its share (rank 0's restored by ``close``)."""
     expert_parallel: bool = False
     """A MoE model's experts are placed whole across the ranks instead of each being sliced."""
-
-
-def _rank_device(device: str, rank: int) -> str:
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.partition(":")[2] or 0)
-    return f"cuda:{base + rank}"
-
-
-def _cpu_shares(size: int) -> list[tuple[int, ...]]:
-    """Each rank's CPUs: this process's cut into runs, or one each in turn where there are fewer
-    CPUs than ranks (threads past the cores would only take turns, and a collective waits on the
-    slowest rank)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < size:
-        return [(cpus[r % len(cpus)],) for r in range(size)]
-    base, extra = divmod(len(cpus), size)
-    out, start = [], 0
-    for r in range(size):
-        end = start + base + (r < extra)
-        out.append(tuple(cpus[start:end]))
-        start = end
-    return out
 
 
 class TensorParallelModel(nn.Module):
@@ -165,7 +142,7 @@ class TensorParallelModel(nn.Module):
                     messages.write(p.stdin.fileno(), data)
         except OSError as e:  # BrokenPipeError: that rank is gone
             for p in self.workers:  # reap it, so that dead_ranks sees it
-                _wait(p, 1.0)
+                wait_exit(p, 1.0)
             raise self._fail(e) from e
 
     def _collective(self, fn):
@@ -173,7 +150,7 @@ class TensorParallelModel(nn.Module):
             return fn()
         except RuntimeError as e:  # gloo: connection closed by the peer, or its timeout
             for p in self.workers:
-                _wait(p, 1.0)
+                wait_exit(p, 1.0)
             raise self._fail(e) from e
 
     # -- shutdown ------------------------------------------------------------------------------
@@ -187,10 +164,10 @@ class TensorParallelModel(nn.Module):
             except RankFailedError:
                 pass
         for p in self.workers:
-            _close_pipes(p)
+            close_pipes(p)
         deadline = time.monotonic() + timeout_s
         for p in self.workers:
-            if not _wait(p, max(0.0, deadline - time.monotonic())):
+            if not wait_exit(p, max(0.0, deadline - time.monotonic())):
                 p.kill()
                 p.wait(5)
         self.workers = []
@@ -199,67 +176,13 @@ class TensorParallelModel(nn.Module):
             torch.set_num_threads(self._saved_threads)
 
 
-def _wait(p: subprocess.Popen, timeout: float) -> bool:
-    try:
-        p.wait(timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _close_pipes(p: subprocess.Popen) -> None:
-    for f in (p.stdin, p.stdout):
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-def _build_kernels(device: str) -> None:
-    """Build (or find built) the CPU kernel extension before any other rank starts: they then import
-    it at once, instead of compiling it (or waiting for one of them to) inside their first step's
-    collectives, whose timeout a build on a busy machine outlasts."""
-    if not device.startswith("cuda"):
-        from baton.kernels import cpu_ops
-
-        cpu_ops.load()
-
-
-def _spawn(spec, module: str = "baton.common.parallel.worker") -> subprocess.Popen:
-    # stdin: commands; stdout: the ready line; stderr: the caller's, so a rank's error shows.
-    return subprocess.Popen(
-        [*python_module(module), spec.to_json()],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-
-
-def _await_ready(workers: list[subprocess.Popen], timeout_s: float, kind: str = "tensor-parallel") -> None:
-    """Every other rank's ready line, or ``RankFailedError`` for the first that exits or is late."""
-    deadline = time.monotonic() + timeout_s
-    for r, p in enumerate(workers, 1):
-        assert p.stdout is not None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RankFailedError(f"{kind} rank {r} did not load its shard in {timeout_s:.0f} s")
-            readable, _, _ = select.select([p.stdout], [], [], min(left, 0.5))
-            if readable:
-                line = p.stdout.readline()
-                if line.strip() == b"ready":
-                    break
-                p.wait(5)
-                raise RankFailedError(f"{kind} rank {r} exited with code {p.returncode} while loading")
-
-
 def launch(load, model_name: str | None, dtype: torch.dtype, config: ParallelConfig) -> TensorParallelModel:
     """Start ranks 1..N-1 (the model ``model_name``), load rank 0's shard with ``load(group)``
     (the loader, given the group to shard for), meet them, and return rank 0's model."""
     size = config.tensor_parallel_size
-    _build_kernels(config.device)
+    build_kernels(config.device)
     host, port = "127.0.0.1", free_port()
-    shares = _cpu_shares(size) if config.pin else [()] * size
+    shares = cpu_shares(size) if config.pin else [()] * size
     workers: list[subprocess.Popen] = []
     try:
         for r in range(1, size):
@@ -268,27 +191,27 @@ def launch(load, model_name: str | None, dtype: torch.dtype, config: ParallelCon
                 size,
                 host,
                 port,
-                _rank_device(config.device, r),
+                rank_device(config.device, r),
                 config.timeout_s,
                 model_name,
                 str(dtype).removeprefix("torch."),
                 shares[r],
                 expert_parallel=config.expert_parallel,
             )
-            workers.append(_spawn(spec))
+            workers.append(spawn(spec))
         saved = None
         if shares[0]:
             saved = torch.get_num_threads()
             torch.set_num_threads(len(shares[0]))
         group = RankGroup(GroupConfig(0, size, host, port, config.device, config.timeout_s))
         model = load(group)
-        _await_ready(workers, config.timeout_s)
+        await_ready(workers, config.timeout_s)
         group.start()
     except BaseException:
         for p in workers:
             p.kill()
             p.wait(5)
-            _close_pipes(p)
+            close_pipes(p)
         raise
     driver = TensorParallelModel(model, group, workers, saved)
     atexit.register(driver.close)

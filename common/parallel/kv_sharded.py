@@ -17,7 +17,6 @@ from typing import IO, Any
 
 import torch
 
-from baton.common.parallel.driver import RankFailedError
 from baton.common.parallel.kv_ranks import (
     Cancel,
     Command,
@@ -33,6 +32,7 @@ from baton.common.parallel.kv_ranks import (
     read_frame,
     route_sender,
 )
+from baton.common.parallel.ranks import RankFailedError
 from baton.common.transfer.base import (
     KVReceiver,
     KVSender,

@@ -27,17 +27,17 @@ import torch
 from baton.common.model.pipeline_parallel import split_micro_batches, stage_layers
 from baton.common.net import free_port
 from baton.common.parallel import messages
-from baton.common.parallel.driver import (
-    RankFailedError,
-    TensorParallelModel,
-    _await_ready,
-    _build_kernels,
-    _close_pipes,
-    _cpu_shares,
-    _rank_device,
-    _spawn,
-)
+from baton.common.parallel.driver import TensorParallelModel
 from baton.common.parallel.pipeline import Layout, Stage, StageSpec
+from baton.common.parallel.ranks import (
+    RankFailedError,
+    await_ready,
+    build_kernels,
+    close_pipes,
+    cpu_shares,
+    rank_device,
+    spawn,
+)
 
 WORKER = "baton.common.parallel.pipeline_worker"
 
@@ -119,30 +119,30 @@ def launch_pipeline(
     world = layout.world_size
     ports = _free_ports((pp if tp > 1 else 0) + tp)
     tp_ports, pp_ports = ports[: len(ports) - tp], ports[len(ports) - tp :]
-    shares = _cpu_shares(world)
-    _build_kernels(device)
+    shares = cpu_shares(world)
+    build_kernels(device)
 
     def spec(rank: int) -> StageSpec:
         return StageSpec(
-            rank, tp, pp, "127.0.0.1", tp_ports, pp_ports, _rank_device(device, rank), timeout_s,
+            rank, tp, pp, "127.0.0.1", tp_ports, pp_ports, rank_device(device, rank), timeout_s,
             model_name, str(dtype).removeprefix("torch."), shares[rank],
         )  # fmt: skip
 
     workers: list[subprocess.Popen] = []
     try:
         for r in range(1, world):
-            workers.append(_spawn(spec(r), WORKER))
+            workers.append(spawn(spec(r), WORKER))
         saved = torch.get_num_threads()
         torch.set_num_threads(len(shares[0]))
         stage = Stage(spec(0))
         stage.load(progress)
-        _await_ready(workers, timeout_s, PipelineParallelModel.kind)
+        await_ready(workers, timeout_s, PipelineParallelModel.kind)
         stage.start()
     except BaseException:
         for p in workers:
             p.kill()
             p.wait(5)
-            _close_pipes(p)
+            close_pipes(p)
         raise
     driver = PipelineParallelModel(stage, workers, saved, num_micro_batches or pp)
     atexit.register(driver.close)

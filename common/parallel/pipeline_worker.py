@@ -31,9 +31,9 @@ def serve(spec: StageSpec, commands: int, replies: int) -> None:
 
     from baton.common.parallel import kv_ranks, messages
     from baton.common.parallel.pipeline import Stage
-    from baton.common.parallel.worker import _pin
+    from baton.common.parallel.ranks import pin_cpus
 
-    _pin(spec.cpus)
+    pin_cpus(spec.cpus)
     stage = Stage(spec)
     model = stage.load()
     if not spec.device.startswith("cuda"):  # built by rank 0 before it started this rank

@@ -50,14 +50,6 @@ class WorkerSpec:
         return cls(**{**d, "cpus": tuple(d["cpus"])})
 
 
-def _pin(cpus: tuple[int, ...]) -> None:
-    import torch
-
-    if cpus:
-        os.sched_setaffinity(0, set(cpus))
-        torch.set_num_threads(len(cpus))
-
-
 def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     """Load the shard, report ready on fd ``ready``, meet the group, then run commands from fd
     ``commands`` until a ``Stop`` or end of file."""
@@ -68,8 +60,9 @@ def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits
     from baton.common.parallel import kv_ranks, messages
     from baton.common.parallel.group import GroupConfig, RankGroup
+    from baton.common.parallel.ranks import pin_cpus
 
-    _pin(spec.cpus)
+    pin_cpus(spec.cpus)
     group = RankGroup(GroupConfig(spec.rank, spec.size, spec.host, spec.port, spec.device, spec.timeout_s))
     model = load_model(
         ModelSource.resolve(spec.model),

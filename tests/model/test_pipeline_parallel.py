@@ -22,7 +22,7 @@ from baton.common.model.pipeline_parallel import (
     split_points,
     stage_layers,
 )
-from baton.common.parallel.driver import RankFailedError
+from baton.common.parallel.ranks import RankFailedError
 from baton.kernels.cascade import CascadeGroups
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.model.test_tensor_parallel import (

@@ -19,7 +19,7 @@ from baton.common.engine.sampling_params import SamplingParams
 from baton.common.llm import LLM
 from baton.common.model.config import LlamaConfig
 from baton.common.model.tensor_parallel import head_split, plan_shard
-from baton.common.parallel.driver import RankFailedError
+from baton.common.parallel.ranks import RankFailedError
 
 pytestmark = pytest.mark.slow
 
