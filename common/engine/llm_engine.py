@@ -109,7 +109,7 @@ class EngineConfig:
     """Ranks (processes of this one, ``common.parallel``) the model's heads and MLP are split across."""
     enable_expert_parallel: bool = False
     """A mixture-of-experts model's experts are placed whole across the tensor- or data-parallel
-    ranks (``parallel.expert``) instead of every expert being split across them."""
+    ranks (``model.expert_parallel``) instead of every expert being split across them."""
     data_parallel_size: int = 1
     """Engine replicas, each with its own scheduler, KV cache and CPUs (``parallel.data_parallel``);
     a MoE model's with ``enable_expert_parallel`` run attention apart beside experts placed across them."""

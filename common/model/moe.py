@@ -66,7 +66,7 @@ class SparseMoE(nn.Module):
 
     def expert_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[Q, hidden] fp32: row q through expert ``ids[q]`` (one of this block's), unweighted: the
-        rows other ranks dispatched here (``parallel.expert.ExpertDispatch``)."""
+        rows other ranks dispatched here (``expert_parallel.ExpertDispatch``)."""
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         for local, (rows, _) in self._routes(ids.unsqueeze(1)).items():
             out[rows] = self.experts[local](x[rows]).float()

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.model.config import LlamaConfig
+from baton.common.model.expert_parallel import MoEAllReduce, expert_split, keep_experts
 from baton.common.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from baton.common.parallel.group import RankGroup
+from baton.common.model.moe import SparseMoE
+from baton.common.model.rank_group import RankGroup
 
 
 @dataclass(frozen=True)
@@ -162,15 +164,29 @@ def _shard_mlp(mlp: LlamaMLP, cfg: LlamaConfig, shard: Shard, local: LlamaConfig
     return out
 
 
+def shard_moe(
+    moe: SparseMoE,
+    cfg: LlamaConfig,
+    shard: Shard,
+    local: LlamaConfig,
+    group: RankGroup,
+    expert_parallel: bool,
+) -> MoEAllReduce:
+    """``group.rank``'s part of a loaded MoE block (``shard`` and ``local`` are the rank's plan and
+    shape): whole experts with ``expert_parallel`` (``expert_parallel.expert_split``), else every
+    expert's slice of columns, as Llama's MLP is cut."""
+    if expert_parallel:
+        keep_experts(moe, expert_split(moe.num_experts, group.size)[group.rank])
+    else:
+        moe.experts = nn.ModuleList(_shard_mlp(e, cfg, shard, local) for e in moe.experts)
+    return MoEAllReduce(moe, group)
+
+
 def _shard_ffn(
     mlp: nn.Module, cfg, shard: Shard, local, group: RankGroup, expert_parallel: bool
 ) -> nn.Module:
-    """A layer's MLP: Llama's row-parallel, or a mixture of experts' (``parallel.expert``)."""
-    from baton.common.model.moe import SparseMoE
-
+    """A layer's MLP: Llama's row-parallel, or a mixture of experts' (``shard_moe``)."""
     if isinstance(mlp, SparseMoE):
-        from baton.common.parallel.expert import shard_moe
-
         return shard_moe(mlp, cfg, shard, local, group, expert_parallel)
     return RowParallel(_shard_mlp(mlp, cfg, shard, local), group)
 

@@ -129,10 +129,10 @@ def _build(spec: ReplicaSpec, progress: bool = False):
     if spec.expert_group is None:
         return LLMEngine.from_config(config, progress=progress), None
     from baton.common.engine.llm_engine import parse_dtype
+    from baton.common.model.expert_parallel import dispatch_experts
     from baton.common.model.loader import load_model
+    from baton.common.model.rank_group import GroupConfig, RankGroup
     from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
-    from baton.common.parallel.expert import dispatch_experts
-    from baton.common.parallel.group import GroupConfig, RankGroup
 
     host, port, timeout = spec.expert_group
     group = RankGroup(GroupConfig(spec.rank, spec.size, host, port, config.device, timeout, name="dp-ep"))

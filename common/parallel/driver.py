@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from baton.common.model.rank_group import GroupConfig, RankGroup
 from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits, plan_shard
 from baton.common.net import free_port
 from baton.common.parallel import messages
-from baton.common.parallel.group import GroupConfig, RankGroup
 from baton.common.parallel.ranks import (
     RankFailedError,
     await_ready,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from baton.common.parallel.group import GroupConfig, RankGroup
+from baton.common.model.rank_group import GroupConfig, RankGroup
 
 _ACTIVATIONS, _HIDDEN, _LM_HEAD = 0, 1, 2  # point-to-point tags
 

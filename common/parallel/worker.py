@@ -56,10 +56,10 @@ def serve(spec: WorkerSpec, commands: int, ready: int) -> None:
     import torch
 
     from baton.common.model.loader import load_model
+    from baton.common.model.rank_group import GroupConfig, RankGroup
     from baton.common.model.source import ModelSource
     from baton.common.model.tensor_parallel import parallel_greedy, parallel_logits
     from baton.common.parallel import kv_ranks, messages
-    from baton.common.parallel.group import GroupConfig, RankGroup
     from baton.common.parallel.ranks import pin_cpus
 
     pin_cpus(spec.cpus)

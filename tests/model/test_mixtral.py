@@ -17,13 +17,13 @@ import torch
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.llm import LLM
 from baton.common.model.config import LlamaConfig
+from baton.common.model.expert_parallel import ExpertDispatch, expert_split, keep_experts
 from baton.common.model.loader import read_config
 from baton.common.model.mixtral import MixtralConfig, MixtralForCausalLM, assemble_experts
 from baton.common.model.moe import SparseMoE
+from baton.common.model.rank_group import GroupConfig, RankGroup
 from baton.common.model.source import ModelSource
 from baton.common.net import free_port
-from baton.common.parallel.expert import ExpertDispatch, expert_split, keep_experts
-from baton.common.parallel.group import GroupConfig, RankGroup
 from tests.model.tiny_mixtral import HIDDEN as TINY_HIDDEN
 from tests.model.tiny_mixtral import NUM_EXPERTS, assert_matches_hf, hf_greedy, write_tiny_mixtral
 

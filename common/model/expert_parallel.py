@@ -2,7 +2,7 @@
 parallelism), and tokens dispatched to the experts' ranks (expert parallelism beside
 data-parallel attention).
 
-* Tensor parallelism (``shard_moe``, no EP): every expert's w1|w3 is cut column-wise and its w2
+* Tensor parallelism (``tensor_parallel.shard_moe``, no EP): every expert's w1|w3 is cut column-wise and its w2
   row-wise, as vLLM does; each rank's output is a partial sum.
 * Expert parallelism under TP (``shard_moe`` with EP): rank r keeps experts ``expert_split[r]``
   whole. Attention is tensor-parallel, so every rank already holds every token and routes it the
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from baton.common.model.moe import SparseMoE
-from baton.common.parallel.group import RankGroup
+from baton.common.model.rank_group import RankGroup
 
 
 def expert_split(num_experts: int, size: int) -> list[tuple[int, int]]:
@@ -64,19 +64,6 @@ class MoEAllReduce(nn.Module):
         weights, ids = self.moe.gate(x)
         part = self.moe.partial(x, weights, ids)  # [N, hidden] fp32
         return self.group.all_reduce(part).to(x.dtype)
-
-
-def shard_moe(moe: SparseMoE, cfg, shard, local, group: RankGroup, expert_parallel: bool) -> MoEAllReduce:
-    """``group.rank``'s part of a loaded MoE block under tensor parallelism (``shard`` and ``local``
-    are ``tensor_parallel``'s plan and shape for the rank): whole experts with ``expert_parallel``,
-    else every expert's slice of columns."""
-    if expert_parallel:
-        keep_experts(moe, expert_split(moe.num_experts, group.size)[group.rank])
-    else:
-        from baton.common.model.tensor_parallel import _shard_mlp
-
-        moe.experts = nn.ModuleList(_shard_mlp(e, cfg, shard, local) for e in moe.experts)
-    return MoEAllReduce(moe, group)
 
 
 # -- expert parallelism beside data-parallel attention ------------------------------------------
