@@ -124,16 +124,24 @@ def attention_pairs(pieces: Sequence[tuple[int, int]]) -> int:
     return sum(t * p + t * (t + 1) // 2 for t, p in pieces)
 
 
-def fit(xs: Sequence[float], ys: Sequence[float], ms: Sequence[float]) -> Linear:
+def fit(
+    xs: Sequence[float],
+    ys: Sequence[float],
+    ms: Sequence[float],
+    weights: Sequence[float] | None = None,
+) -> Linear:
     """Least squares of ``ms ~ a + b * x + c * y`` (normal equations; three unknowns). A ``y``
-    column that is all zero fits ``a + b * x``."""
-    if len(ms) < 2 or not (len(xs) == len(ys) == len(ms)):
-        raise ValueError("fit needs two or more points, as many x, y and ms")
+    column that is all zero fits ``a + b * x``. ``weights`` scale each point's residual (``1 / ms``
+    fits relative error, for points spanning milliseconds to seconds); None weighs all alike."""
+    w = [1.0] * len(ms) if weights is None else [float(v) for v in weights]
+    if len(ms) < 2 or not (len(xs) == len(ys) == len(ms) == len(w)):
+        raise ValueError("fit needs two or more points, as many x, y, ms and weights")
     use_y = any(y != 0 for y in ys)
     rows = [(1.0, float(x), float(y)) if use_y else (1.0, float(x)) for x, y in zip(xs, ys)]
     n = len(rows[0])
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
-    aty = [sum(r[i] * m for r, m in zip(rows, ms)) for i in range(n)]
+    w2 = [v * v for v in w]
+    ata = [[sum(k * r[i] * r[j] for r, k in zip(rows, w2)) for j in range(n)] for i in range(n)]
+    aty = [sum(k * r[i] * m for r, m, k in zip(rows, ms, w2)) for i in range(n)]
     coef = _solve(ata, aty)
     return Linear(*coef) if use_y else Linear(coef[0], coef[1], 0.0)
 
