@@ -34,7 +34,8 @@ import torch
 
 from baton.common.engine.cascade_plan import CascadeConfig, CascadeCostModel
 from baton.kernels import cpu_ops
-from baton.kernels.cascade import CascadeGroups, cascade_decode_attention
+from baton.kernels.cascade import cascade_decode_attention
+from baton.kernels.cascade_groups import CascadeGroups
 from baton.kernels.paged_attention import paged_decode_attention
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16

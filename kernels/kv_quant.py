@@ -34,9 +34,7 @@ from baton.kernels.kv_cache_dtypes import (  # noqa: F401  (re-exported)
     QUANTIZED,
     canonical_kv_cache_dtype,
 )
-
-SCALE_BYTES = 2
-"""Bytes of the bf16 scale at the end of each (token, kv head) row."""
+from baton.kernels.kv_rows import SCALE_BYTES, split_rows
 
 
 @dataclass(frozen=True)
@@ -76,12 +74,6 @@ def is_quantized(cache: torch.Tensor) -> bool:
 def row_elems(head_dim: int, fmt: KVFormat | None) -> int:
     """Elements of one (token, kv head) row of the cache: the values, plus the scale if quantized."""
     return head_dim if fmt is None else head_dim + SCALE_BYTES
-
-
-def split_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Typed views of a quantized cache ``[..., D + 2]``: codes ``[..., D]`` and bf16 scales ``[...]``."""
-    d = cache.shape[-1] - SCALE_BYTES
-    return cache[..., :d], cache[..., d:].view(torch.bfloat16).squeeze(-1)
 
 
 # --- torch references -------------------------------------------------------------------------

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.kernels.cascade import CascadeGroups
-from baton.kernels.triton_decode import _DTYPES, _interpreting, _pow2_at_least
+from baton.kernels.cascade_groups import CascadeGroups
+from baton.kernels.triton_common import MODEL_DTYPES, interpreting, pow2_at_least
 
 M_TILE = 16
 """Query rows per shared-pass program (the smallest ``tl.dot`` tile)."""
@@ -230,8 +230,8 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, groups: CascadeGroup
     num_kv = k_cache.shape[1]
     if k_cache.shape[3] != head_dim or num_kv == 0 or num_heads % num_kv:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache and v_cache dtypes must match and be one of {_DTYPES}")
+    if q.dtype not in MODEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache dtypes must match and be one of {MODEL_DTYPES}")
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [B, max_blocks] and context_lens [B]")
     for t in (block_tables, context_lens, groups.rows, groups.starts, groups.shared_blocks):
@@ -270,11 +270,11 @@ def cascade_decode_attention_triton(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        D_PAD=_pow2_at_least(head_dim),
-        N_PAD=_pow2_at_least(block_size),
+        D_PAD=pow2_at_least(head_dim),
+        N_PAD=pow2_at_least(block_size),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584): upcast there.
-        DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(),
+        DOT_FP32=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=4,
     )
     strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
@@ -290,6 +290,6 @@ def cascade_decode_attention_triton(
         q, k_cache, v_cache, out, o_state, lse_state, block_tables, context_lens,
         _start_blocks(groups, batch, q.device), float(scale),
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1), block_tables.stride(0),
-        G_PAD=_pow2_at_least(group), **common,
+        G_PAD=pow2_at_least(group), **common,
     )  # fmt: skip
     return out

@@ -13,13 +13,11 @@ torch reference; ``tests/kernels/test_triton_decode.py`` compares the two under 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from baton.kernels.triton_common import MODEL_DTYPES, interpreting, pow2_at_least
 
 
 @triton.jit
@@ -112,17 +110,6 @@ def _paged_decode_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def _check_inner_contiguous(name: str, t: torch.Tensor, inner: int) -> None:
     """The last ``inner`` dims of ``t`` must be laid out contiguously (any stride before them)."""
     expected = 1
@@ -171,8 +158,8 @@ def paged_decode_attention_triton(
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens must be [B={batch}]; got {tuple(context_lens.shape)}")
 
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q dtype must be one of {_DTYPES}; got {q.dtype}")
+    if q.dtype not in MODEL_DTYPES:
+        raise ValueError(f"q dtype must be one of {MODEL_DTYPES}; got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(
             f"q, k_cache, v_cache dtypes must match; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
@@ -235,12 +222,12 @@ def paged_decode_attention_triton(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        G_PAD=_pow2_at_least(group),
-        D_PAD=_pow2_at_least(head_dim),
-        N_PAD=_pow2_at_least(block_size),
+        G_PAD=pow2_at_least(group),
+        D_PAD=pow2_at_least(head_dim),
+        N_PAD=pow2_at_least(block_size),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584): upcast there.
-        DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(),
+        DOT_FP32=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=4,
     )
     return out

@@ -1,4 +1,4 @@
-"""Triton paged decode attention over a quantized KV cache (``kv_quant``'s row layout: D 1-byte codes,
+"""Triton paged decode attention over a quantized KV cache (``kv_rows``' row layout: D 1-byte codes,
 then the row's bf16 scale). The program layout is ``triton_decode``'s: one program per (sequence,
 kv head), the G query heads of the group as one [G_PAD, D_PAD] tile, an online softmax in fp32.
 
@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.kernels import kv_quant
+from baton.kernels.kv_rows import SCALE_BYTES, split_rows
+from baton.kernels.triton_common import MODEL_DTYPES, pow2_at_least
 
 _CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -131,10 +131,6 @@ def _paged_decode_quant_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def paged_decode_attention_quant_triton(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, KV, bs, D + 2], quantized, any dim-0 stride
@@ -152,11 +148,11 @@ def paged_decode_attention_quant_triton(
         )
     if k_cache.dtype not in _CODES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"not a quantized KV cache: {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in _MODEL_DTYPES:
-        raise ValueError(f"q dtype must be one of {_MODEL_DTYPES}; got {q.dtype}")
+    if q.dtype not in MODEL_DTYPES:
+        raise ValueError(f"q dtype must be one of {MODEL_DTYPES}; got {q.dtype}")
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, row = k_cache.shape
-    if row != head_dim + kv_quant.SCALE_BYTES:
+    if row != head_dim + SCALE_BYTES:
         raise ValueError(f"cache rows of {row} bytes do not hold head_dim {head_dim} plus a 2-byte scale")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -173,8 +169,8 @@ def paged_decode_attention_quant_triton(
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     if batch == 0 or num_heads == 0:
         return out
-    k_codes, k_scales = kv_quant.split_rows(k_cache)
-    v_codes, v_scales = kv_quant.split_rows(v_cache)
+    k_codes, k_scales = split_rows(k_cache)
+    v_codes, v_scales = split_rows(v_cache)
     k_codes, v_codes = k_codes.view(torch.uint8), v_codes.view(torch.uint8)
     fmt = _CODES[k_cache.dtype]
     group = num_heads // num_kv_heads
@@ -208,9 +204,9 @@ def paged_decode_attention_quant_triton(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        G_PAD=_pow2_at_least(group),
-        D_PAD=_pow2_at_least(head_dim),
-        N_PAD=_pow2_at_least(block_size),
+        G_PAD=pow2_at_least(group),
+        D_PAD=pow2_at_least(head_dim),
+        N_PAD=pow2_at_least(block_size),
         FMT=fmt,
         FACTOR=256.0 if fmt == 1 else 1.0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from baton.kernels.triton_common import MODEL_DTYPES
 
 
 @triton.jit
@@ -93,8 +93,8 @@ def fp8_linear(
     the interpreter runs) multiplies in fp32 instead of x's dtype."""
     if x.dim() != 2 or qweight.dim() != 2 or x.shape[1] != qweight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and qweight {tuple(qweight.shape)} do not multiply")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
+    if x.dtype not in MODEL_DTYPES:
+        raise ValueError(f"x must be one of {MODEL_DTYPES}, got {x.dtype}")
     if qweight.dtype not in (torch.float8_e4m3fn, torch.uint8) or not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous float8_e4m3fn codes, got {qweight.dtype}")
     n, k = qweight.shape

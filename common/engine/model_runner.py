@@ -18,10 +18,11 @@ from baton.common.engine.sampler import SampleResult, finite_rows, sample
 from baton.common.engine.scheduler import SampledToken, SchedulerOutput
 from baton.common.engine.step_shapes import padded_num_tokens, token_buckets
 from baton.common.engine.structured import StructuredOutputs
-from baton.common.model.attention import AttentionMetadata, CascadeGroups, PrefillSegment, plan_prefills
+from baton.common.model.attention import AttentionMetadata, PrefillSegment, plan_prefills
 from baton.common.model.llama import Linear, LlamaForCausalLM
 from baton.common.model.quant import QuantLinear
 from baton.kernels import kv_quant
+from baton.kernels.cascade_groups import CascadeGroups
 
 
 def _kv_block_shape(model: LlamaForCausalLM, block_size: int, kv_cache_dtype: str) -> tuple[int, ...]:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from baton.kernels import kv_quant
 from baton.kernels import paged_attention as kernels
-from baton.kernels.cascade import CascadeGroups, cascade_decode_attention
+from baton.kernels.cascade import cascade_decode_attention
+from baton.kernels.cascade_groups import CascadeGroups
 from baton.kernels.reference import gather_kv
 
 

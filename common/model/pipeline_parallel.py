@@ -21,7 +21,7 @@ from torch import nn
 
 from baton.common.model.attention import AttentionMetadata, FreshRun
 from baton.common.model.llama import LlamaForCausalLM
-from baton.kernels.cascade import CascadeGroups
+from baton.kernels.cascade_groups import CascadeGroups
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

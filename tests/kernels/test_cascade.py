@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from baton.kernels.cascade import CascadeGroups, cascade_decode_attention_ref, merge_state
+from baton.kernels.cascade import cascade_decode_attention_ref, merge_state
+from baton.kernels.cascade_groups import CascadeGroups
 from baton.kernels.reference import paged_decode_attention_ref
 
 # (heads, kv_heads, head_dim, block_size, groups as (members, shared blocks), own tokens per row)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_ops, kv_quant
+from baton.kernels import cpu_ops, kv_quant, kv_rows
 from baton.kernels.reference import paged_prefill_attention_ref, rope_and_cache_ref
 
 FORMATS = list(kv_quant.FORMATS.values())
@@ -35,7 +35,7 @@ def test_dequantized_values_are_within_their_formats_rounding(fmt):
     rows = kv_quant.quantize_rows_ref(x, fmt)
     assert rows.dtype == fmt.storage and rows.shape == (64, 66)
     back = kv_quant.dequantize_rows_ref(rows)
-    _, scales = kv_quant.split_rows(rows)
+    _, scales = kv_rows.split_rows(rows)
     s = scales.float().unsqueeze(1)
     assert torch.equal(back[0], torch.zeros(64)), "a zero row stays zero"
     if fmt.name == "int8":
@@ -47,7 +47,7 @@ def test_dequantized_values_are_within_their_formats_rounding(fmt):
     err = (back - x).abs()
     assert (err <= bound * (1 + 1e-6) + 1e-30).all(), (err / bound.clamp_min(1e-30)).max()
     # each row uses its whole range: its largest magnitude maps to about qmax codes
-    codes, _ = kv_quant.split_rows(rows[1:])
+    codes, _ = kv_rows.split_rows(rows[1:])
     assert (codes.float().abs().amax(1) >= fmt.qmax * 0.99).all()
 
 

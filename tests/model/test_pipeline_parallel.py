@@ -23,7 +23,7 @@ from baton.common.model.pipeline_parallel import (
     stage_layers,
 )
 from baton.common.parallel.ranks import RankFailedError
-from baton.kernels.cascade import CascadeGroups
+from baton.kernels.cascade_groups import CascadeGroups
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.model.test_tensor_parallel import (
     GREEDY,
