@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.common.model.quant_names import check_quantization
+
 if TYPE_CHECKING:
     from baton.common.model.llama import Linear, LlamaForCausalLM, RMSNorm
 
-QUANTIZATIONS = ("int8", "fp8")
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -71,7 +72,7 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 def exact_u8s8_products() -> bool:
     """Whether oneDNN's uint8 x int8 GEMM is exact for 8-bit codes on this CPU: anything but an
     x86 CPU without ``INT8_DOT_FLAGS`` (unreadable flags count as able)."""
-    from baton.common.model.gemm_probe import cpu_flags
+    from baton.kernels.isa import cpu_flags
 
     flags = cpu_flags()
     x86 = "sse2" in flags
@@ -80,11 +81,6 @@ def exact_u8s8_products() -> bool:
 
 FP8_BLOCK_ROWS = 1024
 """Output channels widened at once in the CPU fp8 path: a block of bf16 weights stays in L2."""
-
-
-def check_quantization(quantization: str | None) -> None:
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
 
 
 # -- quantize / dequantize ----------------------------------------------------------------------
@@ -626,16 +622,3 @@ def save_quantized(
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tokenizer.save_pretrained(out_dir)
-
-
-def write_checkpoint(model: str | None, quantization: str, dtype: str, out_dir: str) -> None:
-    """``baton quantize``: load ``model`` (None: the default SmolLM2), quantize it at load exactly
-    as ``--quantization`` would, and save it with ``save_quantized``; loading ``out_dir`` then
-    gives the same weights, hence the same tokens."""
-    from baton.common.model.loader import load_model
-    from baton.common.model.source import ModelSource, load_tokenizer
-
-    source = ModelSource.resolve(model)
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    loaded = load_model(source, torch_dtype, quantization=quantization)
-    save_quantized(loaded, quantization, torch_dtype, out_dir, load_tokenizer(source))

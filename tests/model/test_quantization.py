@@ -66,7 +66,7 @@ def test_compressed_tensors_round_trip_gives_the_same_tokens(method, tiny_dir, t
     from safetensors import safe_open
 
     from baton.common.llm import LLM
-    from baton.common.model.quant import write_checkpoint
+    from baton.common.model.quantize import write_checkpoint
 
     out = tmp_path / f"tiny-{method}"
     write_checkpoint(str(tiny_dir), method, "bfloat16", str(out))
