@@ -18,7 +18,6 @@ import os
 import sys
 
 from baton.kernels import kv_cache_dtypes
-from baton.planner.cli import add_simulate_parser
 from baton.services import cluster_auth
 
 
@@ -340,7 +339,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:
-    from baton.common.model.quant import write_checkpoint
+    from baton.common.model.quantize import write_checkpoint
 
     write_checkpoint(a.model, a.quantization, a.dtype, a.out_dir)
     print(f"wrote {a.quantization} weights to {a.out_dir}")
@@ -706,7 +705,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="baton", description="LLM serving with disaggregated prefill and decode"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_simulate_parser(sub)  # baton simulate (planner/cli.py)
 
     g = sub.add_parser("generate", help="generate offline with the engine")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
