@@ -18,6 +18,7 @@ import os
 import sys
 
 from baton.kernels import kv_cache_dtypes
+from baton.planner.cli import add_simulate_parser
 from baton.services import cluster_auth
 
 
@@ -705,6 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="baton", description="LLM serving with disaggregated prefill and decode"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(sub)  # baton simulate (planner/cli.py)
 
     g = sub.add_parser("generate", help="generate offline with the engine")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
