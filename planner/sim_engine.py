@@ -265,7 +265,8 @@ class Engine:
         self._detailed_step(t)
 
     def _can_admit(self) -> bool:
-        if not self.waiting or len(self.batch) + len(self.prefilling) >= self.max_seqs:
+        running = len(self.batch) + len(self.prefilling)
+        if not self.waiting or running >= self.max_seqs or len(self.batch) >= self.budget:
             return False
         head = self.waiting[0]
         return self.free - self._blocks_over(1) >= -(-min(head.need, self.budget) // self.bs)
@@ -328,6 +329,20 @@ class Engine:
             return dec
         pre = self.profile.prefill_ms([(num, seq.done) for seq, num in pieces])
         return pre + dec - self.shared_a if self.batch else pre
+
+    def check_integrity(self) -> None:
+        """Raise if the books disagree: every block is free or held by a request here, and the
+        batch's context is the sum of its sequences' tokens (tests call it)."""
+        held = sum(s.held for s in self.prefilling) + sum(
+            -(-(s.n0 + self.steps - s.join - 1) // self.bs) for s in self.batch
+        )
+        ctx = sum(s.n0 + self.steps - s.join for s in self.batch)
+        if self.busy or self.inbox:
+            raise AssertionError(f"{self.name}: checked mid-step")
+        if self.free + held > self.capacity or self.free < 0 or ctx != self.ctx:
+            raise AssertionError(
+                f"{self.name}: {self.free} free + {held} held of {self.capacity}, ctx {self.ctx}/{ctx}"
+            )
 
     # -- preemption (the rare path: walks the batch) -------------------------------------------
     def _running(self) -> list[Seq]:

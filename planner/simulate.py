@@ -184,7 +184,7 @@ class Simulator:
         n = len(r)
         window = r.arrival_s[-1] - r.arrival_s[0] if n else 0.0
         makespan = max(self.finish, default=0.0) / 1000.0
-        busy = {e.name: e.busy_ms / (makespan * 1000.0) if makespan > 0 else 0.0 for e in self._engines()}
+        busy = {e.name: e.busy_ms / (makespan * 1000.0) if makespan > 0 else 0.0 for e in self.engines}
         return SimResult(
             layout=str(self.layout),
             num_requests=n,
@@ -202,14 +202,16 @@ class Simulator:
             if makespan > 0
             else 0.0,
             utilisation=busy,
-            preemptions=sum(e.preemptions for e in self._engines()),
+            preemptions=sum(e.preemptions for e in self.engines),
             remote_prefills=self.remote,
             events=self.events,
             wall_s=self.wall_s,
             pool_utilisation=_pool_means(busy),
         )
 
-    def _engines(self) -> list[Engine]:
+    @property
+    def engines(self) -> list[Engine]:
+        """Every worker's engine model, prefill workers first."""
         return [*self.prefill, *self.decode]
 
 
