@@ -19,6 +19,8 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from baton.bench import proc_stats
@@ -87,7 +89,10 @@ def _stream(base: str, tokens: int) -> int:
     return got
 
 
-def run(streams: int, tokens: int, host: str = "127.0.0.1") -> GatewayCost:
+@contextmanager
+def synthetic_gateway(host: str = "127.0.0.1", model: str | None = None) -> Iterator[tuple[str, int]]:
+    """A real Redis, a synthetic decode worker registered in it (a thread of this process) and the
+    real gateway in its own process, ready: yields the gateway's base URL and pid, stops all three."""
     from baton.common.index.registry import WorkerInfo, WorkerRegistry
     from baton.common.index.server import EmbeddedRedis
     from baton.common.model.source import ModelSource
@@ -104,19 +109,53 @@ def run(streams: int, tokens: int, host: str = "127.0.0.1") -> GatewayCost:
     thread.start()
     group = ProcessGroup()
     try:
-        ready.wait(30)
+        if not ready.wait(30):
+            raise TimeoutError("the synthetic decode worker did not start in 30 s")
         import redis
 
-        registry = WorkerRegistry(redis.Redis.from_url(url), ModelSource.resolve(None).name, ttl_s=3600)
+        registry = WorkerRegistry(redis.Redis.from_url(url), ModelSource.resolve(model).name, ttl_s=3600)
         registry.register(WorkerInfo("synthetic", "decode", f"{host}:{out['port']}", "", ""))
         port = free_port(host)
-        group.spawn(
-            "gateway", [*baton_command(), "gateway", "--host", host, "--port", str(port), "--redis-url", url]
-        )
+        cmd = [*baton_command(), "gateway", "--host", host, "--port", str(port), "--redis-url", url]
+        group.spawn("gateway", cmd + (["--model", model] if model else []))
         base = f"http://{host}:{port}"
         wait_http_ok(f"{base}/ready", group, 120)
+        yield base, group.procs[0][1].pid
+    finally:
+        group.stop()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        redis_server.stop()
+
+
+def first_token_ms(base: str, prompt: str, requests: int, warmup: int = 3) -> list[float]:
+    """Milliseconds from sending each of ``requests`` streamed one-token completions of ``prompt``
+    (one at a time, after ``warmup`` untimed) to its first token's SSE event: the gateway's own
+    cost per request (validation, tokenizing, hashing, routing, the gRPC call) against a worker
+    that answers at once, plus loopback HTTP."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": 1, "stream": True}
+    samples = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(warmup + requests):
+            started = time.perf_counter()
+            first = None
+            with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():  # the whole stream, so that the connection is reused
+                    if first is None and line.startswith("data: {"):
+                        first = time.perf_counter()
+            if first is None:
+                raise RuntimeError("a completion through the gateway streamed no token")
+            if i >= warmup:
+                samples.append((first - started) * 1e3)
+    return samples
+
+
+def run(streams: int, tokens: int, host: str = "127.0.0.1") -> GatewayCost:
+    with synthetic_gateway(host) as (base, pid):
         _stream(base, 50)  # connections and the channel
-        pid = group.procs[0][1].pid
         before, client_before, t0 = proc_stats.sample(pid), time.process_time(), time.perf_counter()
         results: list[int] = []
         workers = [
@@ -128,22 +167,17 @@ def run(streams: int, tokens: int, host: str = "127.0.0.1") -> GatewayCost:
             w.join()
         seconds = time.perf_counter() - t0
         after, client_after = proc_stats.sample(pid), time.process_time()
-        total = sum(results)
-        if total != streams * tokens:
-            raise RuntimeError(f"streamed {total} tokens, expected {streams * tokens}")
-        return GatewayCost(
-            streams,
-            tokens,
-            seconds,
-            total / seconds,
-            1e3 * (after.cpu_s - before.cpu_s) / total,
-            1e3 * (client_after - client_before) / total,
-        )
-    finally:
-        group.stop()
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        redis_server.stop()
+    total = sum(results)
+    if total != streams * tokens:
+        raise RuntimeError(f"streamed {total} tokens, expected {streams * tokens}")
+    return GatewayCost(
+        streams,
+        tokens,
+        seconds,
+        total / seconds,
+        1e3 * (after.cpu_s - before.cpu_s) / total,
+        1e3 * (client_after - client_before) / total,
+    )
 
 
 def register(bench: argparse._SubParsersAction) -> None:
