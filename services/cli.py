@@ -8,6 +8,7 @@ baton bench transfer --tokens 1024,4096,16384 --output-json w5.json
 baton bench breakdown --runs 3 -- --colocated    # where a served token's time goes
 baton bench goodput --base-url http://127.0.0.1:8000 --rates 0.25,0.5,1   # W2 goodput: a rate search
 baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
+baton profile --output P.json [--quick] | --check P.json    # this machine's costs, for the planner
 """
 
 from __future__ import annotations
@@ -890,6 +891,9 @@ def build_parser() -> argparse.ArgumentParser:
     from baton.bench import roofline as bench_roofline
 
     bench_roofline.register(bench)
+    from baton.bench import profile as bench_profile
+
+    bench_profile.register(sub, _engine_args, _engine_kwargs)
     return parser
 
 
