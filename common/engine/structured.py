@@ -49,6 +49,7 @@ import torch
 
 from baton.common.engine.request import Request
 from baton.common.engine.sampling_params import StructuredOutputsParams
+from baton.common.engine.structured_spec import REFUSAL_PREFIX, check_spec
 
 log = logging.getLogger(__name__)
 
@@ -70,39 +71,6 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
 # Compact separators, no free whitespace: a small model given "any whitespace" can emit newlines
 # until max_tokens, and fixed separators make the forced strings (jump-forward) longer.
 _JSON_OPTIONS = {"any_whitespace": False}
-
-
-def check_spec(spec: StructuredOutputsParams) -> None:
-    """Raise ``ValueError`` unless xgrammar can build the grammar of ``spec``. No tokenizer needed:
-    the gateway checks a request with it before sending it on."""
-    import xgrammar as xgr
-
-    for text in (spec.json, spec.regex, spec.grammar, *(spec.choice or ())):
-        if isinstance(text, str) and not _is_utf8(text):
-            raise ValueError(f"the {spec.kind} is not valid Unicode (a lone surrogate?)")
-    try:
-        kind = spec.kind
-        if kind == "json":
-            json.loads(spec.json)  # type: ignore[arg-type]
-            xgr.Grammar.from_json_schema(spec.json, **_JSON_OPTIONS)  # type: ignore[arg-type]
-        elif kind == "regex":
-            xgr.Grammar.from_regex(spec.regex)  # type: ignore[arg-type]
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(_choice_ebnf(spec.choice))  # type: ignore[arg-type]
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec.grammar)  # type: ignore[arg-type]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for every bad spec
-        raise ValueError(f"the {spec.kind} cannot be compiled: {error_text(e)}") from None
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -213,17 +181,17 @@ class StructuredOutputs:
         if found is not None:
             self._compiled.move_to_end(key)
             return found
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"{REFUSAL_PREFIX}{e}") from None
         compiler = self._get_compiler()
         try:
             compiled = self._compile(compiler, spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs: the JSON schema is not valid JSON: {e}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for every bad spec
-            raise ValueError(
-                f"structured_outputs: the {spec.kind} cannot be compiled: {error_text(e)}"
-            ) from None
+            raise ValueError(f"{REFUSAL_PREFIX}the {spec.kind} cannot be compiled: {error_text(e)}") from None
         if not self._can_start(compiled):
-            raise ValueError(f"structured_outputs: no token can start an output of this {spec.kind}")
+            raise ValueError(f"{REFUSAL_PREFIX}no token can start an output of this {spec.kind}")
         self.stats.compiled += 1
         self._compiled[key] = compiled
         if len(self._compiled) > MAX_COMPILED_GRAMMARS:
@@ -243,7 +211,6 @@ class StructuredOutputs:
     def _compile(compiler, spec: StructuredOutputsParams):
         kind = spec.kind
         if kind == "json":
-            json.loads(spec.json)  # type: ignore[arg-type]
             return compiler.compile_json_schema(spec.json, **_JSON_OPTIONS)
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', **_JSON_OPTIONS)

@@ -190,8 +190,9 @@ class Gateway:
         arrival: float,
         stream: bool,
         prompt_param: str,
+        spec_param: str | None = None,
     ) -> Response:
-        chunks = self.dispatcher.merged(subs, arrival, prompt_param)
+        chunks = self.dispatcher.merged(subs, arrival, prompt_param, spec_param)
         try:
             if not stream:
                 await unless_disconnected(request, collect(builder, chunks))
@@ -366,7 +367,9 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             body.include_usage,
             body.return_token_ids,
         )
-        return await gw.respond(request, builder, subs, arrival, body.stream, "prompt")
+        return await gw.respond(
+            request, builder, subs, arrival, body.stream, "prompt", body.constraint_field()
+        )
 
     @app.post("/v1/chat/completions", response_model=None, responses=openapi.CHAT)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -387,7 +390,9 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             body.return_token_ids,
             tools=body.tool_mode(),
         )
-        return await gw.respond(request, builder, subs, arrival, body.stream, "messages")
+        return await gw.respond(
+            request, builder, subs, arrival, body.stream, "messages", body.constraint_field()
+        )
 
 
 def _add_service_routes(app: FastAPI, gw: Gateway) -> None:

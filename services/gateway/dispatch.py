@@ -18,6 +18,7 @@ import grpc
 
 from baton.common.api.convert import params_to_proto
 from baton.common.engine.sampling_params import SamplingParams
+from baton.common.engine.structured_spec import REFUSAL_PREFIX
 from baton.protos import baton_pb2
 from baton.services.gateway.errors import APIError, bad_request, unavailable
 from baton.services.gateway.metrics import GatewayMetrics
@@ -72,12 +73,15 @@ def fan_out(request_id: str, prompts: Sequence[list[int]], params: SamplingParam
     return subs
 
 
-def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
-    """The client's view of a failed call to a worker."""
+def rpc_error(e: grpc.aio.AioRpcError, prompt_param: str, spec_param: str | None = None) -> APIError:
+    """The client's view of a failed call to a worker. ``prompt_param`` and ``spec_param`` name the
+    request's prompt and output constraint as the client gave them (``messages``, ``guided_regex``...)."""
     code, details = e.code(), e.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         if details.startswith("This model's maximum context length"):  # OpenAI's code and param
             return APIError(400, details, param=prompt_param, code="context_length_exceeded")
+        if spec_param and details.startswith(REFUSAL_PREFIX):  # a spec only the compiler could refuse
+            return bad_request(f"{spec_param}: {details.removeprefix(REFUSAL_PREFIX)}", param=spec_param)
         word = details.split(" ", 1)[0]
         return bad_request(details, param=prompt_param if word == "prompt" else None)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -137,11 +141,11 @@ class Dispatcher:
         self._progress_timeout_s = progress_timeout_s
 
     async def merged(
-        self, subs: Sequence[SubRequest], arrival: float, prompt_param: str
+        self, subs: Sequence[SubRequest], arrival: float, prompt_param: str, spec_param: str | None = None
     ) -> AsyncGenerator[tuple[int, baton_pb2.GenerateChunk], None]:
         """``(choice index, chunk)`` from every decode request, as they arrive. Errors raise
         ``APIError``; leaving early cancels every call."""
-        streams = [self.stream(s, arrival, prompt_param) for s in subs]
+        streams = [self.stream(s, arrival, prompt_param, spec_param) for s in subs]
         if len(streams) == 1:
             async for chunk in streams[0]:
                 yield subs[0].index, chunk
@@ -174,7 +178,7 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(
-        self, sub: SubRequest, arrival: float, prompt_param: str
+        self, sub: SubRequest, arrival: float, prompt_param: str, spec_param: str | None = None
     ) -> AsyncIterator[baton_pb2.GenerateChunk]:
         """One decode request's chunks. A worker that is unreachable before the first chunk is left
         out and another one tried; one that fails or stalls mid-stream is left out of routing and
@@ -259,7 +263,7 @@ class Dispatcher:
                         ) from None
                     if not isinstance(e, grpc.aio.AioRpcError):
                         raise unavailable("the decode worker stopped making progress") from None
-                    raise rpc_error(e, prompt_param) from None
+                    raise rpc_error(e, prompt_param, spec_param) from None
                 finally:
                     call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
 

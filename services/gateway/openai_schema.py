@@ -126,11 +126,15 @@ class _GenerationRequest(_Body):
         return None
 
     def _structured(self) -> StructuredOutputsParams | None:
-        """The output constraint, checked with xgrammar (a 400 naming the field)."""
+        """The output constraint, checked as far as the gateway can (a 400 naming the field)."""
         spec, param = structured_spec(self)
         if spec is not None:
             check_spec(spec, param or "structured_outputs")
         return spec
+
+    def constraint_field(self) -> str | None:
+        """The field that gave the output constraint, for a 400 when the worker cannot compile it."""
+        return structured_spec(self)[1]
 
     def sampling_params(self) -> SamplingParams:
         """Validated parameters; a bad value raises a 400 ``APIError`` naming it."""
@@ -266,6 +270,12 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         check_spec(forced, "tools")
         return forced
+
+    def constraint_field(self) -> str | None:
+        mode = self.tool_mode()
+        if mode is not None and mode.spec() is not None:
+            return "tools"
+        return super().constraint_field()
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -2,8 +2,9 @@
 
 Structured outputs: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
 ``structured_outputs`` and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar`` become one ``StructuredOutputsParams``; a spec xgrammar cannot build is a 400
-naming the field the client used.
+``guided_grammar`` become one ``StructuredOutputsParams``; a spec that cannot be a grammar is a 400
+naming the field the client used, here (``structured_spec.check_spec``: no torch, no xgrammar) or,
+when only the compiler can tell, once the worker refuses it (``dispatch.rpc_error``).
 
 Tool calls (``tools``, ``tool_choice``). SmolLM2's chat template has no tool format, so Baton uses
 the Hermes format, as vLLM's ``hermes`` parser reads it: the tools are described in the system
@@ -31,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.common.engine.sampling_params import StructuredOutputsParams
+from baton.common.engine.structured_spec import check_spec as check
 from baton.services.gateway.errors import bad_request
 
 Json = dict[str, Any]
@@ -127,9 +129,7 @@ def structured_spec(body) -> tuple[StructuredOutputsParams | None, str | None]:
 
 
 def check_spec(spec: StructuredOutputsParams, param: str) -> None:
-    """A 400 naming ``param`` unless xgrammar can build ``spec``'s grammar."""
-    from baton.common.engine.structured import check_spec as check
-
+    """A 400 naming ``param`` when ``spec`` cannot be a grammar (see the module doc)."""
     try:
         check(spec)
     except ValueError as e:

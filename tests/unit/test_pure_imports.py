@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 PURE_MODULES = [
+    "baton.bench.kv_step",
     "baton.common.engine.hashing",
     "baton.common.engine.block_pool",
     "baton.common.engine.kv_budget",
@@ -21,6 +22,7 @@ PURE_MODULES = [
     "baton.common.engine.sampling_params",
     "baton.common.engine.scheduler",
     "baton.common.engine.step_shapes",
+    "baton.common.engine.structured_spec",
     "baton.common.index.auth",
     "baton.common.index.record_mac",
     "baton.common.index.registry",
@@ -36,6 +38,7 @@ PURE_MODULES = [
     "baton.planner.workload",
     "baton.services.cli",
     "baton.services.cluster_auth",
+    "baton.services.gateway.app",
     "baton.services.up",
 ]
 

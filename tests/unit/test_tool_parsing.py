@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import pytest
 
+from baton.common.engine.structured_spec import REFUSAL_PREFIX
+from baton.services.gateway.dispatch import rpc_error
 from baton.services.gateway.errors import APIError
 from baton.services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from baton.services.gateway.tools import (
@@ -204,22 +207,74 @@ def test_every_structured_field_becomes_one_spec(fields, kind):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        (
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
-                }
-            },
-            "response_format",
-        ),
-        ({"guided_regex": "(("}, "guided_regex"),
-        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[]"}, "guided_json"),
+        ({"structured_outputs": {"json": "3"}}, "structured_outputs"),
+        ({"guided_regex": "a\ud800"}, "guided_regex"),
+        ({"guided_choice": ["yes", "\udc00"]}, "guided_choice"),
     ],
 )
-def test_a_bad_spec_is_a_400_naming_its_field(fields, param):
+def test_a_spec_that_cannot_be_a_grammar_is_a_400_at_the_gateway(fields, param):
     with pytest.raises(APIError) as e:
         CompletionRequest.model_validate({"prompt": "x", **fields}).sampling_params()
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+# Only the compiler (xgrammar, which imports torch) can refuse these: the gateway passes them on and
+# names the field when the worker refuses them (the engine's message, as in tests/model/test_structured.py;
+# end to end in tests/e2e/test_structured_api.py).
+COMPILED_BY_THE_WORKER = [
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+            }
+        },
+        "response_format",
+        "json",
+    ),
+    ({"guided_regex": "(("}, "guided_regex", "regex"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "grammar"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs", "grammar"),
+]
+
+
+def _worker_refusal(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+@pytest.mark.parametrize("fields, param, kind", COMPILED_BY_THE_WORKER)
+def test_a_spec_only_the_compiler_refuses_is_a_400_naming_its_field(fields, param, kind):
+    body = CompletionRequest.model_validate({"prompt": "x", **fields})
+    assert body.sampling_params().structured_outputs.kind == kind
+    refusal = f"{REFUSAL_PREFIX}the {kind} cannot be compiled: bad"
+    err = rpc_error(_worker_refusal(refusal), "prompt", body.constraint_field())
+    assert (err.status, err.param, err.message) == (
+        400,
+        param,
+        f"{param}: the {kind} cannot be compiled: bad",
+    )
+
+
+def test_a_forced_tool_call_refused_by_the_worker_names_tools():
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [WEATHER.model_dump()],
+            "tool_choice": "required",
+        }
+    )
+    assert body.constraint_field() == "tools"
+    err = rpc_error(
+        _worker_refusal(f"{REFUSAL_PREFIX}no token can start an output of this json"), "messages", "tools"
+    )
+    assert (err.status, err.param) == (400, "tools")
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert plain.constraint_field() is None
+    # Without a constraint the refusal is passed on unnamed, as any other worker refusal.
+    assert rpc_error(_worker_refusal(f"{REFUSAL_PREFIX}x"), "messages", None).param is None
