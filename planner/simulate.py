@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from baton.planner.layout import Layout
+from baton.planner.layout import Layout, parse_layout
 from baton.planner.profile import Profile
 from baton.planner.sim_engine import Engine, Seq
 from baton.planner.sim_result import SLO, Dist, SimResult
@@ -64,15 +64,24 @@ class _LeastKey:
 class Simulator:
     """One run: build it, ``run()``, then ``result()``."""
 
-    def __init__(self, profile: Profile, layout: Layout, requests: Requests, slo: SLO, **options) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        layout: Layout,
+        requests: Requests,
+        slo: SLO,
+        transport: str | None = None,
+        remote_prefill_threshold: int = REMOTE_PREFILL_THRESHOLD,
+    ) -> None:
         self.profile, self.layout, self.requests, self.slo = profile, layout, requests, slo
-        self.threshold = options.get("remote_prefill_threshold", REMOTE_PREFILL_THRESHOLD)
-        transport = options.get("transport") or ("ucx" if "ucx" in profile.transfer else None)
+        self.threshold = remote_prefill_threshold
+        self.tx_a = self.tx_b = 0.0
         if not layout.colocated:
-            if transport is None and not profile.transfer:
-                raise ValueError("a disaggregated layout needs a transfer model in the profile")
-            link = profile.transfer[transport or next(iter(profile.transfer))]
-            self.tx_a, self.tx_b = link.a, link.b
+            name = transport or ("ucx" if "ucx" in profile.transfer else next(iter(profile.transfer), ""))
+            if name not in profile.transfer:
+                have = ", ".join(profile.transfer) or "none"
+                raise ValueError(f"the profile has no {name or 'KV transfer'!r} model (it has: {have})")
+            self.tx_a, self.tx_b = profile.transfer[name].a, profile.transfer[name].b
         pool = "colocated" if layout.colocated else "decode"
         self.decode = [Engine(f"{pool}-{i}", profile, self) for i in range(layout.decode)]
         self.prefill = [Engine(f"prefill-{i}", profile, self, hand_off=True) for i in range(layout.prefill)]
@@ -224,7 +233,7 @@ def _pool_means(busy: dict[str, float]) -> dict[str, float]:
 
 def simulate(
     profile: Profile,
-    layout: Layout,
+    layout: Layout | str,
     workload: Workload,
     slo: SLO,
     seed: int = 0,
@@ -232,14 +241,15 @@ def simulate(
     transport: str | None = None,
     remote_prefill_threshold: int = REMOTE_PREFILL_THRESHOLD,
 ) -> SimResult:
-    """Replay ``workload`` (drawn with ``seed``) through ``layout``'s workers costed by ``profile``
-    and measure it against ``slo``. ``transport`` names the profile's KV transfer model (default
-    ``ucx``, else the profile's first); prompts shorter than ``remote_prefill_threshold`` tokens are
-    prefilled by their decode worker. Deterministic for a seed; ``wall_s`` is the only field that
-    varies between runs."""
+    """Replay ``workload`` (drawn with ``seed``) through ``layout``'s workers (a ``Layout`` or its
+    text, ``"2p4d"``) costed by ``profile``, and measure it against ``slo``. ``transport`` names the
+    profile's KV transfer model (default ``ucx``, else the profile's first); prompts shorter than
+    ``remote_prefill_threshold`` tokens are prefilled by their decode worker. Deterministic for a
+    seed: ``wall_s`` is the only field that varies between runs. Raises ``ValueError`` on a
+    workload or profile it cannot run."""
     sim = Simulator(
         profile,
-        layout,
+        parse_layout(layout) if isinstance(layout, str) else layout,
         draw(workload, seed),
         slo,
         transport=transport,

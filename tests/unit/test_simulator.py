@@ -180,3 +180,10 @@ def test_every_block_comes_back(layout):
     for engine in sim.engines:
         engine.check_integrity()
         assert engine.free == engine.capacity and engine.ctx == 0 and not engine.waiting
+
+
+def test_a_missing_transport_is_named():
+    w = _workload(1.0, 5, inp="100")
+    with pytest.raises(ValueError, match="no 'nccl' model .*ucx"):
+        simulate(_profile(), "1p1d", w, SLO(), transport="nccl")
+    assert simulate(_profile(), "colocated", w, SLO(), transport="nccl").completed == 5
