@@ -153,12 +153,13 @@ def _sdpa_prefill(
         out[rows] = o.transpose(1, 2).reshape(-1, num_heads, q.shape[2])
     for seg in meta.context_prefills:
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        table = torch.tensor(seg.block_table, dtype=torch.int32)
+        dev = q.device  # every tensor here on q's: SDPA refuses a CPU mask for CUDA queries
+        table = torch.tensor(seg.block_table, dtype=torch.int32, device=dev)
         ks = _gather(k_cache, table, seg.context_len, q.dtype).repeat_interleave(group, 0).unsqueeze(0)
         vs = _gather(v_cache, table, seg.context_len, q.dtype).repeat_interleave(group, 0).unsqueeze(0)
-        pos_q = torch.arange(seg.num_prior, seg.context_len).view(-1, 1)
-        visible = torch.arange(seg.context_len).view(1, -1) <= pos_q  # [T, S]
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        pos_q = torch.arange(seg.num_prior, seg.context_len, device=dev).view(-1, 1)
+        visible = torch.arange(seg.context_len, device=dev).view(1, -1) <= pos_q  # [T, S]
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill_(~visible, float("-inf"))
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
 
