@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PORT ?= 8000
 
-.PHONY: install run test compose-test lint bench clean
+.PHONY: install run test compose-test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: install
 
 bench: install
 	$(VENV)/bin/baton bench offline --num-prompts 64 --input-len 256 --output-len 128 --seed 0
+
+# The GPU path in one run (bench/gpu_check.py, <= 8 min on one GPU, nothing downloaded): the venv's
+# python, or python3 where there is none (the lent GPU machine); writes gpu-check.json.
+gpu-check:
+	PY=$(PY) bash scripts/gpu_check.sh --output gpu-check.json
 
 clean:
 	rm -rf $(VENV)
