@@ -16,8 +16,9 @@ import sys
 import httpx
 import pytest
 
-from baton.common.index.server import EmbeddedRedis, free_port
+from baton.common.index.server import EmbeddedRedis
 from baton.common.model.source import ModelSource, load_tokenizer
+from baton.common.net import free_port
 from tests.e2e.fault_cluster import wait_for
 
 # The child reports at exit whether torch was imported (for the run where it is not blocked).
