@@ -187,3 +187,30 @@ def test_a_missing_transport_is_named():
     with pytest.raises(ValueError, match="no 'nccl' model .*ucx"):
         simulate(_profile(), "1p1d", w, SLO(), transport="nccl")
     assert simulate(_profile(), "colocated", w, SLO(), transport="nccl").completed == 5
+
+
+def test_a_prompt_arriving_mid_decode_shares_a_mixed_step():
+    # B arrives while A decodes: it waits for A's step in flight to end, then its prefill and A's
+    # decode run as one step, which pays the fixed per-step cost once.
+    p = _profile()
+    trace = ((0.0, 100, 50), (0.1, 60, 5))
+    r = simulate(p, "colocated", Workload(num_prompts=0, trace=trace), SLO(), seed=0)
+    t, ctx = p.gateway_ms + p.prefill_ms([(100, 0)]), 101  # A's first token
+    arrival_b = 100.0 + p.gateway_ms
+    while t < arrival_b:
+        t += p.decode_ms(1, ctx)
+        ctx += 1
+    mixed = p.prefill_ms([(60, 0)]) + p.decode_ms(1, ctx) - min(p.prefill.a, p.decode.a)
+    ttft_a, ttft_b = p.gateway_ms + p.prefill_ms([(100, 0)]), t + mixed - 100.0
+    assert r.ttft_ms.mean == pytest.approx((ttft_a + ttft_b) / 2)
+
+
+def test_prefill_routing_spreads_queued_tokens():
+    w = _workload(12.0, 600, inp="uniform:500:3000", out="8")
+    one = simulate(_profile(), "1p2d", w, SLO(), seed=0)
+    two = simulate(_profile(), "2p2d", w, SLO(), seed=0)
+    assert one.pool_utilisation["prefill"] > 0.6  # loaded enough for the choice to matter
+    busy = [v for k, v in two.utilisation.items() if k.startswith("prefill")]
+    # Both take a fair share; ties (both idle) go to the first, as the router's go by worker id.
+    assert 0.4 < busy[1] <= busy[0] < busy[1] + 0.15
+    assert two.ttft_ms.p90 < 0.7 * one.ttft_ms.p90
