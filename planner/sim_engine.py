@@ -61,10 +61,12 @@ class Seq:
 
 
 class Engine:
-    """A worker's scheduler and step clock. ``sim`` receives ``schedule(t, engine, version)``,
-    ``first_token(seq, t)``, ``finished(seq, t)``, ``prefilled(seq, t_start, t_end, tokens)`` and
-    ``reserved(seq, t, ok)``. With ``hand_off`` (a prefill worker) a prompt's blocks stay held
-    after its last chunk until ``release`` (its transfer completed)."""
+    """A worker's scheduler and step clock, driven by ``command`` (at any time) and ``boundary``
+    (when the event ``sim.schedule(t, engine, version)`` asked for comes due with the engine's
+    current version; older ones are stale). It reports to ``sim``: ``first_token(seq, t)``,
+    ``finished(seq, t)``, ``reserved(seq, t, ok)``, and with ``hand_off`` (a prefill worker)
+    ``chunk_sent(seq, tokens, t)`` after each chunk and ``prefilled(seq, t)`` after the last; a
+    hand-off keeps the prompt's blocks until a ``RELEASE`` command (its transfer landed)."""
 
     def __init__(self, name: str, profile: Profile, sim, hand_off: bool = False) -> None:
         e = profile.engine
