@@ -129,9 +129,11 @@ def run_batch(base, spec, args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+    from baton.common.engine.config import EngineConfig
+    from baton.common.engine.llm_engine import LLMEngine
+    from baton.common.parallel.engine_factory import create_engine
 
-    base = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_gib=1.0))
+    base = create_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_gib=1.0))
     spec_config = EngineConfig(
         model=args.model,
         dtype=base.config.dtype,

@@ -203,7 +203,7 @@ def _counters(metrics_url: str) -> dict[str, float]:
 @contextlib.contextmanager
 def baton_cluster(jump_forward: bool, dtype: str) -> Iterator[tuple[str, str]]:
     """Redis, a colocated decode worker and the gateway in this process: (gateway URL, metrics URL)."""
-    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.engine.config import EngineConfig
     from baton.common.index.server import EmbeddedRedis
     from baton.common.net import free_port
     from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig

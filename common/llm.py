@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.outputs import RequestOutput
 from baton.common.engine.sampling_params import SamplingParams
+from baton.common.parallel.engine_factory import create_engine
 
 if TYPE_CHECKING:
     from baton.common.parallel.data_parallel import DataParallelEngine
@@ -39,7 +41,7 @@ class LLM:
 
             self.engine = launch(self.config, progress=progress)
         else:
-            self.engine = LLMEngine.from_config(self.config, progress=progress)
+            self.engine = create_engine(self.config, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -12,8 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.common.engine.async_engine import AsyncEngine
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from baton.common.parallel.engine_factory import create_engine
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS, add_port
 from baton.services.lifecycle import RpcGate
 
@@ -35,7 +37,7 @@ def advertised(host: str, advertise_host: str = "") -> str:
 def build_engine(config: EngineConfig) -> LLMEngine:
     """A worker's engine, loaded and warmed up (``LLMEngine.warm_up``): what ``AsyncEngine`` calls
     on its own thread, so that the first request after ready runs at full speed."""
-    engine = LLMEngine.from_config(config, progress=False)
+    engine = create_engine(config, progress=False)
     engine.warm_up()
     return engine
 

@@ -12,18 +12,18 @@ import torch
 
 from baton.common.engine.block_pool import BlockPool
 from baton.common.engine.cascade_plan import cascade_config
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.hashing import BlockHasher
-from baton.common.engine.kv_budget import check_gpu_memory_utilization, gpu_kv_cache_bytes
+from baton.common.engine.kv_budget import gpu_kv_cache_bytes
 from baton.common.engine.kv_cache_manager import KVCacheManager
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_block_bytes
 from baton.common.engine.outputs import CompletionOutput, RequestOutput
 from baton.common.engine.request import Request, RequestStatus
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from baton.common.engine.spec_decode import SpecStats, SpeculativeConfig, drop_past_stop
+from baton.common.engine.spec_decode import SpecStats, drop_past_stop
 from baton.common.engine.speculator import make_speculator
 from baton.common.engine.structured import StructuredOutputs
-from baton.kernels.kv_quant import canonical_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -41,117 +41,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None
-    """A .gguf file or a Llama safetensors directory; None is the default SmolLM2 GGUF."""
-    dtype: str = "bfloat16"
-    """bfloat16 or float32, for weights, activations and the KV cache; ``auto`` (resolved by
-    ``from_config``): whichever runs the model's GEMMs faster on this CPU (``gemm_probe``)."""
-    device: str = "cpu"
-    """``cpu``, or ``cuda`` (``cuda:N``) for a GPU: Triton decode attention, SDPA prefill."""
-    block_size: int = 16
-    """Tokens per KV block."""
-    kv_cache_gib: float = 4.0
-    """Memory budget for the KV cache; the cache never exceeds it. Unused with
-    ``gpu_memory_utilization``."""
-    gpu_memory_utilization: float | None = None
-    """On CUDA, the KV cache's size instead (vLLM's option, off by default here): this fraction
-    (0, 1] of the GPU's memory less what is in use once the model is loaded (``kv_budget``)."""
-    kv_cache_dtype: str = "auto"
-    """KV cache storage (vLLM's names): ``auto`` (the model dtype), ``int8``, ``fp8_e4m3`` or
-    ``fp8_e5m2`` (1-byte codes with a scale per token and head; ~2x the tokens per GiB)."""
-    quantization: str | None = None
-    """Weights: ``int8`` (W8A8, dynamic per-token activations) or ``fp8`` (e4m3), quantized at load;
-    None keeps them in ``dtype`` (a compressed-tensors checkpoint is read as it is stored)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step."""
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    """Longest prompt + output; defaults to the model's context length."""
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    """Seed of the sampler for requests without their own seed."""
-    # The queue caps' defaults bound what a worker holds for queued requests (their token ids, ~10 MB
-    # at the token cap) and how long they wait (the token cap is 128 full 2048-token steps), yet sit
-    # 16x above W2 all at once (64 prompts of 256 tokens: 64 requests, 16k tokens): load that can be
-    # served is never refused; past them a request would wait minutes, so another worker, or the
-    # client's retry, serves it sooner.
-    max_waiting_requests: int = 1024
-    """Most requests not yet running (waiting, preempted, parked for a remote prefill); past it a
-    new one is refused (``EngineFullError``)."""
-    max_waiting_tokens: int = 262_144
-    """Most tokens those requests may still have to compute; past it a new one is refused."""
-    max_consecutive_failed_steps: int = 3
-    """Steps in a row that may fail (each fails only its own requests) before the engine gives up."""
-    cascade: str = "auto"
-    """Cascade attention for decode rows sharing prefix blocks: ``auto`` (a cost model decides per
-    step, ``cascade_plan``) or ``off``."""
-    cascade_min_shared_blocks: int = 4
-    """Fewest full blocks a group of decode rows must share for a cascade."""
-    jump_forward: bool = True
-    """Structured outputs append a grammar's forced continuation without sampling it."""
-    speculative: str | None = None
-    """Speculative decoding: ``ngram`` (prompt lookup) or ``draft`` (``draft_model``); None: off."""
-    num_speculative_tokens: int = 4
-    """Most tokens proposed per request per step."""
-    ngram_min: int = 2
-    """Shortest suffix n-gram the n-gram proposer looks up (vLLM's ``prompt_lookup_min``)."""
-    ngram_max: int = 4
-    """Longest suffix n-gram it looks up (vLLM's ``prompt_lookup_max``)."""
-    draft_model: str | None = None
-    """The draft model (``speculative="draft"``): a smaller Llama of the same tokenizer."""
-    adaptive_speculation: bool = True
-    """Propose fewer tokens, down to none, where the step's cost model says they would not pay."""
-    tensor_parallel_size: int = 1
-    """Ranks (processes of this one, ``common.parallel``) the model's heads and MLP are split across."""
-    enable_expert_parallel: bool = False
-    """A mixture-of-experts model's experts are placed whole across the tensor- or data-parallel
-    ranks (``model.expert_parallel``) instead of every expert being split across them."""
-    data_parallel_size: int = 1
-    """Engine replicas, each with its own scheduler, KV cache and CPUs (``parallel.data_parallel``);
-    a MoE model's with ``enable_expert_parallel`` run attention apart beside experts placed across them."""
-    pipeline_parallel_size: int = 1
-    """Stages the layers are cut into, each of ``tensor_parallel_size`` ranks (``parallel.pipeline``)."""
-
-    def __post_init__(self) -> None:
-        # vLLM's aliases become the one name the workers' settings and the layout check compare
-        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        from baton.common.model.quant import check_quantization
-
-        check_quantization(self.quantization)
-        cascade_config(self.cascade, self.cascade_min_shared_blocks)  # ValueError for bad options
-        check_gpu_memory_utilization(self.gpu_memory_utilization, self.device, self.data_parallel_size)
-        for name in ("max_waiting_requests", "max_waiting_tokens", "max_consecutive_failed_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        self.speculative_config()  # raises ValueError for bad speculation options
-
-    def speculative_config(self) -> SpeculativeConfig | None:
-        if self.speculative is None:
-            return None
-        return SpeculativeConfig(
-            self.speculative,
-            self.num_speculative_tokens,
-            self.ngram_min,
-            self.ngram_max,
-            self.draft_model,
-            self.adaptive_speculation,
-        )
-
-
-def _device_available(device: str) -> bool:
-    """Whether torch can allocate on ``device`` (``cuda``, ``cuda:1``) here."""
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError):  # no CUDA build, no GPU, or no such index
-        return False
-    return True
 
 
 def _gpu_memory(device: str) -> tuple[int, int]:
@@ -305,50 +194,6 @@ class LLMEngine:
                 f"less than max_model_len={self.max_model_len}"
             )
         return num_blocks
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = False) -> LLMEngine:
-        from baton.common.model.loader import load_model
-        from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
-
-        source = ModelSource.resolve(config.model)
-        if config.device != "cpu" and not _device_available(config.device):
-            raise ValueError(
-                f"device {config.device!r} is not available to this torch ({torch.__version__}): a GPU"
-                " needs a CUDA build of torch and a visible device; or run with --device cpu"
-            )
-        if config.dtype == "auto":
-            from dataclasses import replace
-
-            from baton.common.model.gemm_probe import cached_probe
-
-            # The probe measures this CPU's GEMMs; on a GPU bf16 is the fast dtype.
-            on_gpu = config.device != "cpu"
-            dtype = "bfloat16" if on_gpu else cached_probe(source.path, torch.get_num_threads()).dtype
-            config = replace(config, dtype=dtype)
-        if config.pipeline_parallel_size > 1:
-            from baton.common.parallel.pipeline_driver import load_pipeline_parallel
-
-            model = load_pipeline_parallel(config, parse_dtype(config.dtype), progress)
-        elif config.tensor_parallel_size > 1:
-            from baton.common.parallel.driver import load_tensor_parallel
-
-            model = load_tensor_parallel(config, parse_dtype(config.dtype), progress)
-        else:
-            model = load_model(
-                source,
-                parse_dtype(config.dtype),
-                config.device,
-                progress=progress,
-                quantization=config.quantization,
-            )
-        tokenizer = load_tokenizer(source)
-        draft = None
-        if config.speculative == "draft":
-            draft_source = ModelSource.resolve(config.draft_model)
-            draft = load_model(draft_source, parse_dtype(config.dtype), config.device)
-        eos = eos_token_ids(source, tokenizer)
-        return cls(config, model, tokenizer, eos, model_name=source.name, draft_model=draft)
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:

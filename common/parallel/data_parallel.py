@@ -28,8 +28,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from baton.common.engine.llm_engine import EngineConfig, EngineFullError, EngineStepError, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import EngineFullError, EngineStepError, LLMEngine
 from baton.common.launch import python_module
+from baton.common.parallel.engine_factory import create_engine
 from baton.common.parallel.messages import read_object, send_object
 from baton.common.parallel.ranks import build_kernels, close_pipes, cpu_shares, wait_exit
 
@@ -127,7 +129,7 @@ def _build(spec: ReplicaSpec, progress: bool = False):
     its expert-parallel group (None without), not yet started."""
     config = EngineConfig(**spec.engine)
     if spec.expert_group is None:
-        return LLMEngine.from_config(config, progress=progress), None
+        return create_engine(config, progress=progress), None
     from baton.common.engine.llm_engine import parse_dtype
     from baton.common.model.expert_parallel import dispatch_experts
     from baton.common.model.loader import load_model

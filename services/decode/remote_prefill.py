@@ -10,7 +10,6 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,12 +19,28 @@ from baton.common.engine.llm_engine import LandedPrefix, Quarantine
 from baton.common.engine.scheduler import SampledToken
 from baton.common.transfer import TransferError
 from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.services.grpc_tls import GrpcTLS
 from baton.services.grpc_tls import channel as tls_channel
 
-if TYPE_CHECKING:
-    from baton.services.decode.worker import DecodeWorkerConfig
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemotePrefillConfig:
+    """The decode worker's settings that its remote prefills run by (``DecodeWorkerConfig.remote_prefill``)."""
+
+    threshold: int
+    """Prompts with fewer uncached tokens than this are prefilled here."""
+    block_size: int
+    """Tokens per KV block of the engine."""
+    timeout_s: float
+    """Bound on one remote prefill (RPC and transfer)."""
+    stall_s: float
+    """A started transfer that lands no block for this long is given up (the landed blocks kept)."""
+    failed_hold_s: float
+    """A prefill worker that failed is left out of the choice this long."""
+    tls: GrpcTLS
+    """TLS of the channels to prefill workers."""
 
 
 class PrefillStalled(Exception):
@@ -90,7 +105,7 @@ class RemotePrefill:
         receiver,
         descriptor,
         pick_prefill,
-        config: DecodeWorkerConfig,
+        config: RemotePrefillConfig,
         locations=None,
         worker_id="",
         bytes_per_token: int = 0,
@@ -109,11 +124,11 @@ class RemotePrefill:
         self.descriptor_json = json.dumps(descriptor.to_dict())
         self.backend = descriptor.backend
         self.pick_prefill = pick_prefill
-        self.threshold = config.remote_prefill_threshold
-        self.block_size = config.engine.block_size
-        self.timeout_s = config.prefill_timeout_s
-        self.stall_s = config.prefill_stall_timeout_s
-        self.failed_hold_s = config.failed_prefill_hold_s
+        self.threshold = config.threshold
+        self.block_size = config.block_size
+        self.timeout_s = config.timeout_s
+        self.stall_s = config.stall_s
+        self.failed_hold_s = config.failed_hold_s
         self.bytes_per_token = bytes_per_token
         self.kv_layout = kv_layout
         """This worker's ``model_runner.kv_cache_layout``: a prefill worker with another refuses."""
@@ -122,7 +137,7 @@ class RemotePrefill:
         ``tp_transfer``)."""
         self.results: dict[str, baton_pb2.PrefillResponse] = {}
         """The prefill worker's answer for each request prefilled remotely, until its stream ends."""
-        self.tls = config.grpc_tls
+        self.tls = config.tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
         self.failures: deque[RemoteFailure] = deque(maxlen=256)

@@ -31,7 +31,8 @@ from baton.common.engine.async_engine import (
     EngineFullError,
     RequestFailedError,
 )
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.index.outage import OutageLog
 from baton.common.index.registry import WorkerInfo, WorkerRegistry
 from baton.common.metrics import (
@@ -46,7 +47,7 @@ from baton.common.net import free_port
 from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
-from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector
+from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector, RemotePrefillConfig
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.pod_cost import PodRef
@@ -107,6 +108,17 @@ class DecodeWorkerConfig:
     it by up to the heartbeat TTL)."""
     prefill_refresh_s: float = 0.5
     """How often the prefill workers are read from the registry (new ones are connected at once)."""
+
+    def remote_prefill(self) -> RemotePrefillConfig:
+        """The slice of this config that the remote prefills run by."""
+        return RemotePrefillConfig(
+            self.remote_prefill_threshold,
+            self.engine.block_size,
+            self.prefill_timeout_s,
+            self.prefill_stall_timeout_s,
+            self.failed_prefill_hold_s,
+            self.grpc_tls,
+        )
 
 
 class DecodeServicer(baton_pb2_grpc.DecodeServicer):
@@ -271,7 +283,7 @@ class DecodeWorker:
                 self._receiver,
                 descriptor,
                 self._pick_prefill,
-                cfg,
+                cfg.remote_prefill(),
                 locations=locations,
                 worker_id=self.worker_id,
                 bytes_per_token=tp_transfer.bytes_per_token(llm_engine),

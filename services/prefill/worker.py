@@ -36,7 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
 from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, EngineFullError
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.index.registry import WorkerInfo
 from baton.common.metrics import LATENCY_BUCKETS, EngineCollector, serve_metrics

@@ -67,7 +67,7 @@ def test_build_kernels_again_only_imports(cold_build):
 WORKER = textwrap.dedent(
     """
     import sys
-    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.engine.config import EngineConfig
     from baton.kernels import cpu_ops
     from baton.services.worker_base import build_engine
 

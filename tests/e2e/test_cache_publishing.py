@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from baton.common.api.convert import params_to_proto
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.hashing import BlockHasher
-from baton.common.engine.llm_engine import EngineConfig
 from baton.common.index.prefix_index import PrefixIndex
 from baton.common.index.registry import WorkerRegistry
 from baton.common.index.server import EmbeddedRedis

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.common.api.convert import params_to_proto
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.llm import SamplingParams
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig

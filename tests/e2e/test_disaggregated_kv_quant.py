@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from baton.common.api.convert import params_to_proto
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.model_runner import kv_cache_block_bytes
 from baton.common.index.server import EmbeddedRedis
 from baton.common.llm import LLM, SamplingParams

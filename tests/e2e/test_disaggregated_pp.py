@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from baton.common.api.convert import params_to_proto
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.index.server import EmbeddedRedis
 from baton.common.llm import SamplingParams
 from baton.protos import baton_pb2, baton_pb2_grpc

@@ -29,7 +29,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.common.api.convert import params_to_proto
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.index.registry import WorkerRegistry
 from baton.common.index.server import EmbeddedRedis

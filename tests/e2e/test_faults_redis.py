@@ -19,8 +19,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.hashing import BlockHasher
-from baton.common.engine.llm_engine import EngineConfig
 from baton.common.index.client import connect
 from baton.common.index.prefix_index import PrefixIndex
 from baton.common.index.registry import WorkerRegistry

@@ -14,7 +14,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.index.server import EmbeddedRedis
 from baton.common.llm import SamplingParams
 from baton.common.net import free_port

@@ -79,7 +79,7 @@ def tls_cluster(pki, tmp_path_factory):
     over mutual TLS with the module's CA."""
     import threading
 
-    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.engine.config import EngineConfig
     from baton.common.index.server import EmbeddedRedis
     from baton.common.net import free_port
     from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig

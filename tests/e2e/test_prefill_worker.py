@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from baton.common.api.convert import params_to_proto
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
 from baton.common.engine.scheduler import ScheduledRequest, SchedulerOutput
 from baton.common.llm import SamplingParams

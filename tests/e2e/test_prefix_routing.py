@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.hashing import BlockHasher
-from baton.common.engine.llm_engine import EngineConfig
 from baton.common.index.prefix_index import PrefixIndex
 from baton.common.index.server import EmbeddedRedis
 from baton.common.net import free_port

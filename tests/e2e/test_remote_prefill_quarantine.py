@@ -14,8 +14,10 @@ from concurrent.futures import Future
 import pytest
 
 from baton.common.engine.async_engine import AsyncEngine
-from baton.common.engine.llm_engine import EngineConfig, LandedPrefix, LLMEngine, Quarantine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LandedPrefix, Quarantine
 from baton.common.llm import SamplingParams
+from baton.common.parallel.engine_factory import create_engine
 
 from .fault_cluster import ENGINE_FLAGS, tiny_model
 
@@ -27,7 +29,7 @@ PROMPT = [(i * 104729) % 40000 + 100 for i in range(300)]  # 19 blocks of 16
 
 @pytest.fixture(scope="module")
 def engine():
-    ae = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(model=str(tiny_model()), **ENGINE_FLAGS)))
+    ae = AsyncEngine(lambda: create_engine(EngineConfig(model=str(tiny_model()), **ENGINE_FLAGS)))
     ae.start()
     yield ae
     ae.stop()

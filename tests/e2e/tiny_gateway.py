@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
 from tests.e2e.fault_cluster import wait_for

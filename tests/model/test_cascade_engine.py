@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from baton.common.engine.cascade_plan import CascadeConfig, CascadeCostModel
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.llm import LLM, SamplingParams
 
 from .helpers import PLAIN_PROMPTS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.common.engine.llm_engine import EngineConfig
+from baton.common.engine.config import EngineConfig
 from baton.common.engine.model_runner import kv_cache_block_bytes, kv_cache_layout
 from baton.common.llm import LLM, SamplingParams
 from baton.kernels import kv_quant

@@ -98,7 +98,7 @@ def test_compressed_tensors_round_trip_gives_the_same_tokens(method, tiny_dir, t
 
 
 def test_unknown_quantization_is_refused():
-    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.engine.config import EngineConfig
     from baton.common.model.quant import checkpoint_quantization
 
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.rejection import accept_greedy, rejection_sample
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.model.config import LlamaConfig

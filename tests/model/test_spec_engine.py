@@ -11,7 +11,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.engine.config import EngineConfig
+from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.sampling_params import SamplingParams
 from baton.common.metrics import EngineCollector
 from baton.common.model.config import LlamaConfig

@@ -212,7 +212,8 @@ def test_speculation_and_jump_forward_together_keep_greedy_structured_output(llm
     """A prompt-grounded JSON task (copy the given object): jump-forward appends the keys the
     schema forces, n-gram proposals copy the values from the prompt and are verified under the
     grammar; the output is token for token the one without speculation, and validates."""
-    from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+    from baton.common.engine.config import EngineConfig
+    from baton.common.engine.llm_engine import LLMEngine
 
     base = llm_fp32.engine
     config = EngineConfig(

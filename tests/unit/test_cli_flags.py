@@ -40,7 +40,8 @@ def test_workers_advertise_the_address_others_reach_them_at():
 def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
     import torch
 
-    from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+    from baton.common.engine.config import EngineConfig
+    from baton.common.parallel.engine_factory import create_engine
 
     parser = build_parser()
     assert _engine_kwargs(parser.parse_args(["decode"]))["device"] == "cpu"
@@ -49,7 +50,7 @@ def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
     assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["device"] == "cuda"
     if not torch.cuda.is_available():  # refused before any weight is read
         with pytest.raises(ValueError, match="device 'cuda' is not available"):
-            LLMEngine.from_config(EngineConfig(device="cuda"))
+            create_engine(EngineConfig(device="cuda"))
 
 
 def test_no_jump_forward_reaches_workers_directly_and_through_baton_up():
