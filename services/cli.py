@@ -453,7 +453,7 @@ def _cluster_auth(a: argparse.Namespace):
 def _worker_kwargs(a: argparse.Namespace, auth: cluster_auth.ClusterAuth | None = None) -> dict:
     """The config fields a prefill and a decode worker share, from their common flags and ``auth``
     (``_cluster_auth``; None: no credentials)."""
-    from baton.common.engine.llm_engine import EngineConfig
+    from baton.common.engine.config import EngineConfig
     from baton.common.transfer import TransferConfig
     from baton.services.worker_base import advertised
 
