@@ -1,0 +1,237 @@
+"""The engine's checks of ``make gpu-check`` (``bench/gpu_check.py`` runs each in its own process):
+a model of SmolLM2-135M's shape with seeded random weights, the engine against transformers on it,
+a decode step replayed from a CUDA graph against the same step run eagerly, and W1 on the GPU.
+
+Nothing here downloads anything: the weights come from ``LlamaForCausalLM(config)`` under a fixed
+seed, the tokenizer is a word-level one over the ids (``<0>`` .. ``<49151>``; prompts are token ids).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+# SmolLM2-135M's shape (docs: FIELD-NOTES.md, "The model").
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# Sharpening of the random init (std 0.02 everywhere): projections x4 so that every layer and its
+# attention move the residual stream, the tied embedding x20 so that logits spread (std ~10) and
+# greedy choices are rarely near-ties.
+PROJECTION_GAIN, EMBEDDING_GAIN = 4.0, 20.0
+# A divergence from the fp32 reference counts as a near-tie (not a bug) when the reference's own
+# logit of the token taken is within this of its best: fp32 kernels differ by ~1e-5, bf16 by ~0.1-1.
+TIE_TOLERANCE = {"float32": 1e-2, "bfloat16": 1.5}
+
+
+def write_seeded_model(path: Path, seed: int = 0, num_layers: int | None = None) -> dict:
+    """Save a seeded random Llama of SmolLM2's shape (safetensors, config, tokenizer) into ``path``;
+    returns figures (parameters, seconds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = time.perf_counter()
+    shape = dict(SMOLLM2_SHAPE)
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.mul_(EMBEDDING_GAIN)
+            elif p.dim() == 2:
+                p.mul_(PROJECTION_GAIN)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_id_tokenizer(path, shape["vocab_size"])
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "parameters": params,
+        "num_layers": shape["num_hidden_layers"],
+        "build_s": round(time.perf_counter() - t, 2),
+    }
+
+
+def write_id_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose token i is ``<i>``: the engine needs one to detokenize, and the
+    real one is not at hand (no network)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", bos_token="<1>", eos_token="<2>")
+    fast.save_pretrained(path)
+
+
+def make_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token ids uniform in [100, 40000), as BENCHMARKS.md's workloads draw them."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+PROMPT_LENGTHS = [5, 17, 33, 64]
+
+
+def hf_reference(
+    model_dir: str, prompts: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype = torch.float32
+) -> list[dict]:
+    """transformers' greedy continuation of each prompt, with each step's logits (for telling a
+    near-tie from a bug)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            steps = [logits[0].float().cpu() for logits in gen.logits]
+            out.append({"tokens": gen.sequences[0, len(prompt) :].tolist(), "logits": steps})
+    del hf
+    return out
+
+
+def engine_tokens(
+    model_dir: str, prompts, max_tokens: int, dtype: str, device: str, **engine
+) -> list[list[int]]:
+    """Baton's greedy tokens for all prompts, submitted together (one batch of mixed lengths)."""
+    from baton.common.llm import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, device=device, kv_cache_gib=0.25, max_model_len=512, **engine)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def compare(reference: list[dict], got: list[list[int]], tolerance: float) -> dict:
+    """Token for token; where a sequence first differs, the reference's logit of the token taken must
+    be within ``tolerance`` of its best (a near-tie). After that the two continue from different
+    prefixes and are not compared."""
+    matched, ties, errors = [], [], []
+    for i, (ref, tokens) in enumerate(zip(reference, got, strict=True)):
+        want = ref["tokens"]
+        n = next((j for j, (a, b) in enumerate(zip(want, tokens)) if a != b), min(len(want), len(tokens)))
+        matched.append(n)
+        if len(tokens) != len(want):
+            errors.append(f"prompt {i}: {len(tokens)} tokens, reference {len(want)}")
+        if n == len(want) or n == len(tokens):
+            continue
+        logits = ref["logits"][n]
+        gap = float(logits.max() - logits[tokens[n]])
+        ties.append(round(gap, 6))
+        if gap > tolerance:
+            errors.append(
+                f"prompt {i} step {n}: took {tokens[n]}, reference {want[n]} by {gap:.4f} > {tolerance}"
+            )
+    total = sum(len(r["tokens"]) for r in reference)
+    figures = {
+        "tokens_matched": sum(matched),
+        "tokens": total,
+        "matched_per_prompt": matched,
+        "gaps_at_divergence": ties,
+        "tie_tolerance": tolerance,
+    }
+    return figures | ({"error": "; ".join(errors)} if errors else {})
+
+
+def check_engine_vs_transformers(model_dir: str, device: str, dtype: str, max_tokens: int = 24) -> dict:
+    prompts = make_prompts(PROMPT_LENGTHS)
+    ref = hf_reference(model_dir, prompts, max_tokens, device)
+    got = engine_tokens(model_dir, prompts, max_tokens, dtype, device)
+    figures = compare(ref, got, TIE_TOLERANCE[dtype])
+    if dtype == "bfloat16":  # how far transformers' own bf16 follows its fp32: the yardstick
+        hf16 = hf_reference(model_dir, prompts, max_tokens, device, torch.bfloat16)
+        yardstick = compare(ref, [r["tokens"] for r in hf16], float("inf"))
+        figures["transformers_bf16_tokens_matched"] = yardstick["tokens_matched"]
+    if dtype == "float32" and figures["tokens_matched"] < figures["tokens"] // 2:
+        figures.setdefault("error", f"only {figures['tokens_matched']} of {figures['tokens']} tokens agree")
+    return {"device": device, "dtype": dtype, **figures}
+
+
+# --- CUDA graphs -----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def check_cuda_graph_decode(model_dir: str, dtype: str = "bfloat16", steps: int = 16) -> dict:
+    """The engine has no CUDA-graph mode yet; this shows its decode step can have one. The model's
+    decode forward and greedy head are captured once into a CUDA graph over static buffers, then
+    ``steps`` decode steps of a batch are run from the same prefilled cache twice: eagerly (the
+    engine's path) and by copying the inputs into the buffers and replaying. Tokens must be equal."""
+    from baton.bench.gpu_check_graph import DecodeGraph, eager_decode, prefill_batch
+    from baton.common.engine.llm_engine import parse_dtype
+    from baton.common.model.loader import load_model
+    from baton.common.model.source import ModelSource
+
+    torch_dtype = parse_dtype(dtype)
+    model = load_model(ModelSource.resolve(model_dir), torch_dtype, "cuda")
+    prompts = make_prompts([9, 16, 31, 40, 64, 3, 100, 17], seed=1)
+    state = prefill_batch(model, prompts, torch_dtype, max_len=len(max(prompts, key=len)) + steps + 1)
+    cache0 = state.cache.clone()
+    eager = eager_decode(model, state, steps)
+    state.cache.copy_(cache0)
+    t = time.perf_counter()
+    graph = DecodeGraph(model, state)
+    capture_s = time.perf_counter() - t
+    replayed = graph.decode(steps)
+    same = eager == replayed
+    figures = {"dtype": dtype, "batch": len(prompts), "steps": steps, "capture_s": round(capture_s, 3)}
+    figures |= {
+        "identical": same,
+        "eager_ms_per_step": eager_ms(model, state, cache0),
+        "graph_ms_per_step": graph.ms_per_step(cache0),
+    }
+    if not same:
+        diff = [i for i, (a, b) in enumerate(zip(eager, replayed)) if a != b]
+        figures["error"] = f"tokens differ between eager and graph replay in rows {diff}"
+    return figures
+
+
+@torch.inference_mode()
+def eager_ms(model, state, cache0) -> float:
+    from baton.bench.gpu_check_graph import eager_decode
+
+    state.cache.copy_(cache0)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    eager_decode(model, state, 8)
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / 8 * 1e3, 3)
+
+
+# --- W1 on the GPU ---------------------------------------------------------------------------------
+
+
+def check_w1(model_dir: str, num_prompts: int = 64, input_len: int = 256, output_len: int = 128) -> dict:
+    """BENCHMARKS.md's W1 through ``bench/offline.py`` on the GPU, bf16 (the seeded model: its
+    tokens are not the real model's, its cost is)."""
+    from baton.bench.offline import run_offline_bench
+
+    engine = dict(model=model_dir, dtype="bfloat16", device="cuda", kv_cache_gib=4.0, max_model_len=1024)
+    result = run_offline_bench(num_prompts, input_len, output_len, seed=0, engine_kwargs=engine)
+    result["workload"] = {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len}
+    return result
