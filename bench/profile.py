@@ -17,8 +17,10 @@ engine's half):
 - the gateway's own ms per request: the real gateway in its own process against a synthetic decode
   worker that answers at once (``baton bench gateway``'s), time to the first streamed token.
 
-``--check`` re-measures a reduced grid at the stored profile's own points, prints each model's drift
-(``planner.profile.drift``) and exits 1 when any exceeds ``--tolerance``.
+Each model is fitted to its points by least squares of the relative error. ``--check`` re-measures
+a reduced grid at the stored profile's own points, prints each model's drift
+(``planner.profile.drift``) and exits 1 when any exceeds ``--tolerance``. The grids, fits and the
+check's decision are ``bench/profile_plan.py`` (pure).
 """
 
 from __future__ import annotations
@@ -29,57 +31,26 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from baton.bench.profile_engine import DecodePoint, PrefillPoint
-from baton.planner.profile import EngineShape, Linear, Machine, Profile, drift, fit
+from baton.bench.profile_engine import PrefillPoint
+from baton.bench.profile_plan import (
+    TOLERANCE,
+    Plan,
+    ShapeMismatch,
+    failing,
+    fit_errors,
+    fit_points,
+    flag_mismatch,
+    format_drift,
+    grid_plan,
+    reduced_plan,
+    shape_mismatch,
+)
+from baton.planner.profile import EngineShape, Machine, Profile, drift
 
-TOLERANCE = 0.10
 GATEWAY_PROMPT = "The quick brown fox jumps over the lazy dog. " * 24
 """About 250 tokens of text, tokenized and hashed by the gateway like a client's prompt."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one run measures (before the engine's limits drop the points that cannot run)."""
-
-    prefill: tuple[PrefillPoint, ...]
-    chunked: bool
-    """Also run one prompt of 2.5 chunks and keep each of its steps."""
-    prefill_repeats: int
-    decode: tuple[DecodePoint, ...]
-    decode_steps: int
-    decode_warmup: int
-    transfer_tokens: tuple[int, ...]
-    transports: tuple[str, ...]
-    transfer_repeats: int
-    gateway_requests: int
-
-
-def grid_plan(quick: bool) -> Plan:
-    """The default grid (<= 10 minutes on 2 cores), or ``--quick``'s (well under a minute)."""
-    if quick:
-        tokens, priors, packed = (32, 256, 1024), (0, 1024), ()
-        batches, contexts = (1, 8, 32), (128, 1024)
-    else:
-        tokens, priors = (16, 64, 256, 512, 1024, 1536, 2048), (0, 512, 2048, 4096)
-        packed = ((4, 256), (8, 128), (16, 64))
-        batches, contexts = (1, 4, 16, 64, 128, 256), (128, 512, 2048, 4096)
-    prefill = [PrefillPoint(1, t, p) for p in priors for t in tokens]
-    prefill += [PrefillPoint(n, t, p) for n, t in packed for p in priors[:2]]
-    return Plan(
-        prefill=tuple(prefill),
-        chunked=not quick,
-        prefill_repeats=2 if quick else 3,
-        decode=tuple(DecodePoint(b, c) for b in batches for c in contexts),
-        decode_steps=3 if quick else 5,
-        decode_warmup=1 if quick else 2,
-        transfer_tokens=(256, 2048) if quick else (256, 1024, 4096, 8192),
-        transports=("ucx", "gloo"),
-        transfer_repeats=2 if quick else 5,
-        gateway_requests=10 if quick else 40,
-    )
 
 
 # -- the machine -----------------------------------------------------------------------------------
@@ -209,25 +180,6 @@ def measure_gateway(plan: Plan, model: str | None) -> float:
         return statistics.median(first_token_ms(base, GATEWAY_PROMPT, plan.gateway_requests))
 
 
-def fit_points(points: dict[str, list[dict[str, float]]]) -> tuple[Linear, Linear, dict[str, Linear]]:
-    """The prefill, decode and per-transport models, least squares of the relative error over the
-    points (their times span milliseconds to seconds: a plain fit would serve the large ones only)."""
-
-    def cols(name: str, x: str, y: str | None) -> tuple[list, ...]:
-        pts = points[name]
-        ms = [p["ms"] for p in pts]
-        return [p[x] for p in pts], [p[y] if y else 0.0 for p in pts], ms, [1 / max(m, 1e-6) for m in ms]
-
-    prefill = fit(*cols("prefill", "tokens", "pairs"))
-    decode = fit(*cols("decode", "batch", "context"))
-    transfer = {
-        name.removeprefix("transfer."): fit(*cols(name, "tokens", None))
-        for name in points
-        if name.startswith("transfer.")
-    }
-    return prefill, decode, transfer
-
-
 def run_profile(
     plan: Plan,
     engine_kwargs: dict,
@@ -237,14 +189,15 @@ def run_profile(
 ) -> Profile:
     """Measure ``plan`` with an engine of ``engine_kwargs``, fit, and return the profile. With
     ``expect``, raise ``ShapeMismatch`` before measuring when the engine's shape differs from it."""
-    from baton.common.engine.llm_engine import EngineConfig, LLMEngine
+    from baton.common.llm import LLM
 
     started = time.perf_counter()
-    engine = LLMEngine.from_config(EngineConfig(**engine_kwargs))
+    engine = LLM(**engine_kwargs).engine  # the offline front's engine: one LLMEngine (no replicas)
     shape, where = engine_shape(engine), machine(engine)
     if expect is not None and (diff := shape_mismatch(expect, shape)):
         raise ShapeMismatch(diff)
-    engine.warm_up()
+    if plan.warm_engine:
+        engine.warm_up()
     log(f"engine loaded and warm in {time.perf_counter() - started:.0f} s ({where.cores} threads)")
     points = measure_engine(plan, engine, seed, log)
     model = engine_kwargs.get("model")
@@ -265,90 +218,6 @@ def run_profile(
         gateway_ms=gateway_ms,
         taken_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         points=points,
-    )
-
-
-# -- fit quality and the check ---------------------------------------------------------------------
-def fit_errors(profile: Profile) -> dict[str, float]:
-    """Model -> the median relative error of its fit at its own points."""
-    pts, out = profile.points, {}
-
-    def median_error(pairs: list[tuple[float, float]]) -> float:
-        return statistics.median(abs(pred - ms) / ms for pred, ms in pairs) if pairs else 0.0
-
-    out["prefill"] = median_error(
-        [(profile.prefill(p["tokens"], p["pairs"]), p["ms"]) for p in pts["prefill"]]
-    )
-    out["decode"] = median_error([(profile.decode(p["batch"], p["context"]), p["ms"]) for p in pts["decode"]])
-    for name, model in profile.transfer.items():
-        out[f"transfer.{name}"] = median_error(
-            [(model(p["tokens"]), p["ms"]) for p in pts[f"transfer.{name}"]]
-        )
-    return out
-
-
-class ShapeMismatch(ValueError):
-    """The engine flags give another engine than the stored profile's."""
-
-
-def shape_mismatch(stored: EngineShape, now: EngineShape) -> list[str]:
-    """The fields (but the KV capacity, which only sizes) where the two engines differ."""
-    return [
-        f"{f.name}: stored {getattr(stored, f.name)!r}, now {getattr(now, f.name)!r}"
-        for f in dataclasses.fields(EngineShape)
-        if f.name != "kv_capacity_tokens" and getattr(stored, f.name) != getattr(now, f.name)
-    ]
-
-
-def failing(drifts: dict[str, float], tolerance: float = TOLERANCE) -> list[str]:
-    """The models whose drift exceeds ``tolerance``, in name order: ``--check`` fails on any."""
-    return sorted(name for name, d in drifts.items() if d > tolerance)
-
-
-def _spread(values: set[float]) -> set[float]:
-    """The smallest, the middle and the largest."""
-    ordered = sorted(values)
-    return {ordered[0], ordered[len(ordered) // 2], ordered[-1]} if ordered else set()
-
-
-def reduced_plan(stored: Profile, quick: bool = True) -> tuple[Plan, Profile]:
-    """The check's grid: of the stored single-prompt prefill points, those at the smallest, middle
-    and largest token counts and the smallest and largest priors; of the decode points, those at
-    the smallest, middle and largest batch and the shortest and longest context; every stored
-    transfer count. Returns it with the stored profile cut to those points (where drift is read)."""
-    pts = stored.points
-    single = [p for p in pts.get("prefill", []) if p.get("pieces", 1) == 1]
-    for p in single:
-        p.setdefault("prior", (p["pairs"] - p["tokens"] * (p["tokens"] + 1) / 2) / p["tokens"])
-    tokens, priors = _spread({p["tokens"] for p in single}), {p["prior"] for p in single}
-    priors = {min(priors), max(priors)} if priors else set()
-    prefill = [p for p in single if p["tokens"] in tokens and p["prior"] in priors]
-    dec = pts.get("decode", [])
-    for p in dec:
-        p.setdefault("context_per_seq", round(p["context"] / p["batch"]))
-    batches, ctx = _spread({p["batch"] for p in dec}), {p["context_per_seq"] for p in dec}
-    ctx = {min(ctx), max(ctx)} if ctx else set()
-    decode = [p for p in dec if p["batch"] in batches and p["context_per_seq"] in ctx]
-    transports = tuple(t for t in ("ucx", "gloo") if f"transfer.{t}" in pts)
-    counts = sorted({int(p["tokens"]) for t in transports for p in pts[f"transfer.{t}"]})
-    base = grid_plan(quick)
-    plan = dataclasses.replace(
-        base,
-        prefill=tuple(PrefillPoint(1, int(p["tokens"]), int(p["prior"])) for p in prefill),
-        chunked=False,
-        decode=tuple(DecodePoint(int(p["batch"]), int(p["context_per_seq"])) for p in decode),
-        transfer_tokens=tuple(counts),
-        transports=transports,
-        gateway_requests=base.gateway_requests if stored.gateway_ms > 0 else 0,
-    )
-    cut = {"prefill": prefill, "decode": decode} | {f"transfer.{t}": pts[f"transfer.{t}"] for t in transports}
-    return plan, dataclasses.replace(stored, points=cut)
-
-
-def format_drift(drifts: dict[str, float], tolerance: float) -> str:
-    return "\n".join(
-        f"{name:<16} drift {d:7.1%}  {'FAIL' if d > tolerance else 'ok'} (tolerance {tolerance:.0%})"
-        for name, d in sorted(drifts.items())
     )
 
 
@@ -401,6 +270,9 @@ def cmd_profile(a: argparse.Namespace, engine_kwargs: dict) -> int:
         stored = Profile.load(a.check)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"error: --check {a.check}: {e}", file=sys.stderr)
+        return 2
+    if diff := flag_mismatch(stored.engine, engine_kwargs):
+        print(f"error: these engine flags are not the profile's engine: {'; '.join(diff)}", file=sys.stderr)
         return 2
     plan, at_points = reduced_plan(stored, a.quick)
     try:

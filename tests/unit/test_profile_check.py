@@ -1,4 +1,4 @@
-"""``baton profile``'s pure parts: the check's decision on fixed drifts, the reduced grid it
+"""``baton profile``'s pure parts (bench/profile_plan.py): the check's decision on fixed drifts, the reduced grid it
 re-measures, the engine-shape comparison, and the relative-error fit it writes."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
-from baton.bench.profile import (
+from baton.bench.profile_plan import (
     failing,
     fit_errors,
     fit_points,
+    flag_mismatch,
     format_drift,
     grid_plan,
     reduced_plan,
@@ -130,6 +131,12 @@ def test_shape_mismatch_names_the_differing_fields_but_not_the_capacity():
     other = dataclasses.replace(SHAPE, dtype="float32", kv_capacity_tokens=5)
     assert shape_mismatch(SHAPE, dataclasses.replace(SHAPE, kv_capacity_tokens=5)) == []
     assert shape_mismatch(SHAPE, other) == ["dtype: stored 'bfloat16', now 'float32'"]
+    flags = {"model": None, "dtype": "auto", "block_size": 16, "max_num_seqs": 256, "quantization": None}
+    assert flag_mismatch(SHAPE, flags) == []  # auto: known once the engine resolves it
+    assert flag_mismatch(SHAPE, flags | {"dtype": "float32", "block_size": 32}) == [
+        "dtype: stored 'bfloat16', now 'float32'",
+        "block_size: stored 16, now 32",
+    ]
 
 
 def test_the_default_grid_has_chunked_and_packed_steps_and_the_quick_one_is_small():
