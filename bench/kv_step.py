@@ -16,27 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
+from baton.bench.kv_step_config import KVStepConfig
 from baton.kernels import kv_cache_dtypes
-
-
-@dataclass(frozen=True)
-class KVStepConfig:
-    model: str | None = None
-    """A .gguf file or a Llama safetensors directory; None: the default SmolLM2."""
-    dtype: str = "bfloat16"
-    """Model (and ``auto`` cache) dtype."""
-    batch: int = 64
-    """Decoding requests in the step."""
-    context: int = 4096
-    """Tokens each request attends to (its new one included)."""
-    block_size: int = 16
-    repeats: int = 5
-    """Timed calls per measurement (after one warm-up call)."""
-    num_layers: int | None = None
-    """Keep only this many layers of the model (None: all)."""
-    seed: int = 0
 
 
 def format_table(result: dict) -> str:

@@ -9,16 +9,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from baton.bench.kv_step_config import KVStepConfig
 from baton.common.engine.model_runner import ModelRunner, allocate_kv_cache
 from baton.common.engine.scheduler import ScheduledRequest, SchedulerOutput
 from baton.kernels import kv_quant, paged_attention
-
-if TYPE_CHECKING:
-    from baton.bench.kv_step import KVStepConfig
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,10 @@ def test_prefix_cache_hits_read_the_quantized_blocks(int8_llm):
 
 
 def test_the_kv_step_bench_times_each_cache_against_the_first(int8_llm):
-    from baton.bench import kv_step, kv_step_measure
+    from baton.bench import kv_step_measure
+    from baton.bench.kv_step_config import KVStepConfig
 
-    cfg = kv_step.KVStepConfig(batch=2, context=40, repeats=1)
+    cfg = KVStepConfig(batch=2, context=40, repeats=1)
     runs = [kv_step_measure.measure(int8_llm.engine.model, cfg, d) for d in ("auto", "int8")]
     assert [r["kv_bytes_per_token"] for r in runs] == [30 * 2 * 3 * 64 * 4, 30 * 2 * 3 * 66]  # fp32, int8
     for r in runs:
