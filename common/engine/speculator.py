@@ -266,7 +266,9 @@ def make_speculator(config: SpeculativeConfig | None, engine, draft_model=None) 
     drafter = None
     if config.method == "draft":
         if draft_model is None:
-            raise ValueError("speculative 'draft' needs the draft model loaded (parallel.engine_factory.create_engine)")
+            raise ValueError(
+                "speculative 'draft' needs the draft model loaded (parallel.engine_factory.create_engine)"
+            )
         vocab, target_vocab = draft_model.config.vocab_size, engine.model.config.vocab_size
         if vocab != target_vocab:
             raise ValueError(
