@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 
 from baton.bench.profile_engine import PrefillPoint
 from baton.bench.profile_plan import (
@@ -47,6 +48,7 @@ from baton.bench.profile_plan import (
     reduced_plan,
     shape_mismatch,
 )
+from baton.bench.transfer_peers import PeerError
 from baton.planner.profile import EngineShape, Machine, Profile, drift
 
 GATEWAY_PROMPT = "The quick brown fox jumps over the lazy dog. " * 24
@@ -258,36 +260,50 @@ def cmd_profile(a: argparse.Namespace, engine_kwargs: dict) -> int:
     if engine_kwargs.get("data_parallel_size", 1) > 1:
         print("error: profile one engine (--data-parallel-size 1); replicas scale it", file=sys.stderr)
         return 2
-    log = lambda line: print(line, flush=True)  # noqa: E731
     started = time.perf_counter()
-    if a.output:
-        profile = run_profile(grid_plan(a.quick), engine_kwargs, a.seed, log=log)
-        profile.save(a.output)
-        print(format_profile(profile))
-        print(f"wrote {a.output} in {time.perf_counter() - started:.0f} s")
-        return 0
+    try:
+        code = _output(a, engine_kwargs) if a.output else _check(a, engine_kwargs)
+    except ShapeMismatch as e:
+        print(
+            f"error: these engine flags are not the profile's engine: {'; '.join(e.args[0])}", file=sys.stderr
+        )
+        return 2
+    except (PeerError, RuntimeError, TimeoutError, OSError) as e:  # a peer, the gateway, the output file
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"took {time.perf_counter() - started:.0f} s")
+    return code
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _output(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)  # fail now, not after the run
+    Path(a.output).touch()
+    profile = run_profile(grid_plan(a.quick), engine_kwargs, a.seed, log=_log)
+    profile.save(a.output)
+    print(format_profile(profile))
+    print(f"wrote {a.output}")
+    return 0
+
+
+def _check(a: argparse.Namespace, engine_kwargs: dict) -> int:
     try:
         stored = Profile.load(a.check)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"error: --check {a.check}: {e}", file=sys.stderr)
         return 2
     if diff := flag_mismatch(stored.engine, engine_kwargs):
-        print(f"error: these engine flags are not the profile's engine: {'; '.join(diff)}", file=sys.stderr)
-        return 2
+        raise ShapeMismatch(diff)
     plan, at_points = reduced_plan(stored, a.quick)
-    try:
-        measured = run_profile(plan, engine_kwargs, a.seed, expect=stored.engine, log=log)
-    except ShapeMismatch as e:
-        print(
-            f"error: these engine flags are not the profile's engine: {'; '.join(e.args[0])}", file=sys.stderr
-        )
-        return 2
+    measured = run_profile(plan, engine_kwargs, a.seed, expect=stored.engine, log=_log)
     drifts = drift(at_points, measured)
     print(format_drift(drifts, a.tolerance))
     bad = failing(drifts, a.tolerance)
-    took = f"{time.perf_counter() - started:.0f} s"
     if bad:
-        print(f"drifted past {a.tolerance:.0%}: {', '.join(bad)} ({took})")
+        print(f"drifted past {a.tolerance:.0%}: {', '.join(bad)}")
         return 1
-    print(f"within {a.tolerance:.0%} of {a.check} ({took})")
+    print(f"within {a.tolerance:.0%} of {a.check}")
     return 0
