@@ -66,18 +66,22 @@ def load_tokenizer(source: ModelSource):
     """A transformers tokenizer with the model's chat template.
 
     Building one from GGUF metadata takes seconds, so the result is saved once under the cache
-    directory, keyed by the file's path, size and modification time.
+    directory, keyed by the file's path, size and modification time. That saved one (a
+    ``tokenizer.json`` Baton wrote) is read as the fast tokenizer it is: ``AutoTokenizer`` would
+    import torch to resolve its class, and the gateway, which only tokenizes, runs without it.
     """
-    from transformers import AutoTokenizer
+    import transformers
 
     if source.kind == "safetensors":
-        return AutoTokenizer.from_pretrained(source.path)
+        return transformers.AutoTokenizer.from_pretrained(source.path)
     st = os.stat(source.path)
     key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(cache_dir(), "tokenizers", key)
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return transformers.PreTrainedTokenizerFast.from_pretrained(cached)
+    tok = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(source.path), gguf_file=os.path.basename(source.path)
+    )
     tmp = f"{cached}.tmp{os.getpid()}"
     tok.save_pretrained(tmp)
     os.makedirs(os.path.dirname(cached), exist_ok=True)
