@@ -20,6 +20,7 @@ import sys
 
 from baton.kernels import kv_cache_dtypes
 from baton.planner.cli import add_simulate_parser
+from baton.planner.plan_cli import add_plan_parser
 from baton.services import cluster_auth
 
 
@@ -708,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)  # baton simulate (planner/cli.py)
+    add_plan_parser(sub)  # baton plan (planner/plan_cli.py)
 
     g = sub.add_parser("generate", help="generate offline with the engine")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
