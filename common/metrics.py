@@ -35,6 +35,13 @@ class EngineCollector:
 
     def collect(self):
         e = self.engine
+        config = getattr(e, "config", None)
+        emulated = getattr(config, "emulate", None) is not None
+        yield self._g(
+            "baton:emulated",
+            "1: an emulated worker (--emulate): no model runs, step times come from a profile.",
+            float(emulated),
+        )
         yield self._g("baton:num_requests_running", "Requests in the running batch.", e.scheduler.num_running)
         yield self._g(
             "baton:num_requests_waiting", "Requests waiting to be scheduled.", e.scheduler.num_waiting

@@ -155,6 +155,17 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     _drain_args(p)
     _tls_args(p)
     _engine_args(p, dtype="auto")
+    _emulate_arg(p)
+
+
+def _emulate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--emulate",
+        default=None,
+        metavar="PROFILE",
+        help="an emulated worker: no model runs, each step sleeps the time this `baton profile` JSON"
+        " predicts (the real services, scheduler, KV books and transfers; its figures are labelled emulated)",
+    )
 
 
 def _tls_args(p: argparse.ArgumentParser) -> None:
@@ -459,8 +470,13 @@ def _worker_kwargs(a: argparse.Namespace, auth: cluster_auth.ClusterAuth | None 
     from baton.services.worker_base import advertised
 
     auth = auth or cluster_auth.ClusterAuth()
+    engine = EngineConfig(**_engine_kwargs(a), emulate=a.emulate)
+    if engine.emulate is not None:  # the profile's block size, chunk and batch, before any use
+        from baton.services.emulated import emulated_config
+
+        engine = emulated_config(engine)
     return dict(
-        engine=EngineConfig(**_engine_kwargs(a)),
+        engine=engine,
         host=a.host,
         advertise_host=a.advertise_host,
         grpc_port=a.port,
@@ -636,6 +652,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         return code
     if (front := _front_door(a)) is None or (auth := _cluster_auth(a)) is None:
         return 2
+    if a.emulate and (code := _emulated_up(a)) is not None:
+        return code
     return run_cluster(
         UpConfig(
             prefill=a.prefill,
@@ -663,6 +681,27 @@ def cmd_up(a: argparse.Namespace) -> int:
             **front,
         )
     )
+
+
+def _emulated_up(a: argparse.Namespace) -> int | None:
+    """``baton up --emulate``: the layout is the flags' (this machine's probe says nothing of the
+    emulated one), the workers unpinned, the dtype and block size the profile's."""
+    from baton.common.engine.config import EngineConfig
+    from baton.services.emulated import emulated_config
+
+    if a.prefill is None and not a.colocated:
+        print(
+            "error: --emulate needs --prefill N (or --colocated): the workers are not this machine's",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        engine = emulated_config(EngineConfig(block_size=a.block_size, emulate=a.emulate))
+    except (OSError, ValueError) as e:
+        print(f"error: --emulate {a.emulate}: {e}", file=sys.stderr)
+        return 2
+    a.dtype, a.block_size, a.cpus = engine.dtype, engine.block_size, a.cpus or "none"
+    return None
 
 
 def _engine_flags(a: argparse.Namespace) -> list[str]:
@@ -700,6 +739,7 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags += ["--draft-model", os.path.abspath(a.draft_model)] if a.draft_model else []
         flags += ["--no-adaptive-speculation"] if a.no_adaptive_speculation else []
     flags += ["--no-jump-forward"] if a.no_jump_forward else []
+    flags += ["--emulate", os.path.abspath(a.emulate)] if a.emulate else []
     return flags
 
 
@@ -814,6 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workers first, e.g. '0|1' (default: as the layout decides)",
     )
     _engine_args(up, dtype="auto")
+    _emulate_arg(up)
     cluster_auth.add_args(up)
     _front_door_args(up)
     _migration_args(up)

@@ -37,7 +37,12 @@ def advertised(host: str, advertise_host: str = "") -> str:
 def build_engine(config: EngineConfig) -> LLMEngine:
     """A worker's engine, loaded and warmed up (``LLMEngine.warm_up``): what ``AsyncEngine`` calls
     on its own thread, so that the first request after ready runs at full speed."""
-    engine = create_engine(config, progress=False)
+    if config.emulate is not None:
+        from baton.services.emulated import create_emulated_engine
+
+        engine = create_emulated_engine(config)
+    else:
+        engine = create_engine(config, progress=False)
     engine.warm_up()
     return engine
 
@@ -57,6 +62,7 @@ def worker_settings(engine: LLMEngine, **extra) -> dict:
         "kv_cache_dtype": engine.config.kv_cache_dtype,
         "cpus": format_cpu_list(sorted(os.sched_getaffinity(0))),
         "threads": torch.get_num_threads(),
+        **({"emulated": engine.config.emulate} if engine.config.emulate is not None else {}),
         **extra,
     }
 

@@ -104,6 +104,9 @@ class EngineConfig:
     a MoE model's with ``enable_expert_parallel`` run attention apart beside experts placed across them."""
     pipeline_parallel_size: int = 1
     """Stages the layers are cut into, each of ``tensor_parallel_size`` ranks (``parallel.pipeline``)."""
+    emulate: str | None = None
+    """A ``baton profile`` JSON: an emulated worker (``services/emulated.py``) that runs no model,
+    each step's time taken from the profile; its figures are labelled emulated. None: the real model."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
@@ -116,6 +119,10 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         self.speculative_config()  # raises ValueError for bad speculation options
+        if self.emulate is not None and (
+            self.speculative or self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        ):
+            raise ValueError("emulate runs one process and no speculation: leave out speculative and -tp/-pp")
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:

@@ -19,6 +19,8 @@ from baton.common.model.source import ModelSource, eos_token_ids, load_tokenizer
 
 def create_engine(config: EngineConfig, progress: bool = False) -> LLMEngine:
     """The engine ``config`` describes, its model loaded (``dtype="auto"`` decided here first)."""
+    if config.emulate is not None:  # the services build those (services/emulated.py)
+        raise ValueError("emulate is for the workers (baton prefill/decode/up --emulate), not this engine")
     source = ModelSource.resolve(config.model)
     if config.device != "cpu" and not _device_available(config.device):
         raise ValueError(

@@ -53,6 +53,7 @@ from baton.common.transfer.base import BACKENDS
 from baton.common.transfer.reshard import Shard
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
+from baton.services.emulated import hold_transfer, transfer_model
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
@@ -347,6 +348,7 @@ class PrefillWorker:
         self._senders_lock = threading.Lock()
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._transfer_seconds: Histogram | None = None
+        self._transfer_model: Any = None  # an emulated worker's modelled transfer time (emulated.py)
         self._server: grpc.aio.Server | None = None
         self._heartbeat: Any = None
         self._publisher: Any = None
@@ -372,6 +374,7 @@ class PrefillWorker:
         self.kv_layout = tp_transfer.full_layout(llm_engine)
         self.rank_shards = tp_transfer.rank_shards(llm_engine)
         self.whole_kv = tp_transfer.all_of_model(llm_engine)
+        self._transfer_model = transfer_model(llm_engine, cfg.transfer.backend)
         self._link = tp_transfer.rank_link(llm_engine)
         registry = CollectorRegistry()
         labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
@@ -533,6 +536,8 @@ class PrefillWorker:
             self._drop_sender(job.sender_key, job.sender)
             log.warning("KV transfer of %r failed: %s", job.request_id, e)
             return f"KV transfer of {job.request_id!r} failed: {e}"
+        tokens = job.prompt_len - job.skip_blocks * self.config.engine.block_size
+        await hold_transfer(self._transfer_model, tokens, job.started or None)
         job.bytes_sent = job.finished.nbytes
         self.bytes_sent_total += job.finished.nbytes
         if self._transfer_seconds is not None and job.started:
