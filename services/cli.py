@@ -648,6 +648,8 @@ def _gateway_flags(a: argparse.Namespace) -> list[str]:
 def cmd_up(a: argparse.Namespace) -> int:
     from baton.services.up import UpConfig, run_cluster
 
+    if not apply_up_layout(a):
+        return 2
     if (code := _bad_tls(a) or _bad_tensor_parallel(a, not a.colocated)) is not None:
         return code
     if (front := _front_door(a)) is None or (auth := _cluster_auth(a)) is None:
@@ -681,6 +683,32 @@ def cmd_up(a: argparse.Namespace) -> int:
             **front,
         )
     )
+
+
+def apply_up_layout(a: argparse.Namespace) -> bool:
+    """``baton up --layout L`` or ``--plan P.json`` (a ``baton plan --json`` output): the worker
+    counts they name, set as ``--prefill``/``--decode``/``--colocated`` would (so the rest of ``up``
+    sees one way of asking); False, with the reason printed, when they cannot be applied."""
+    import json
+    from pathlib import Path
+
+    from baton.services.layout import fixed_layout, plan_layout
+
+    if not (a.layout or a.plan):
+        return True
+    if (a.layout and a.plan) or a.prefill is not None or a.colocated or a.decode != 1:
+        print("error: set the workers by one of --layout, --plan or --prefill/--decode/--colocated",
+              file=sys.stderr)  # fmt: skip
+        return False
+    try:
+        text, warning = (a.layout, None) if a.layout else plan_layout(json.loads(Path(a.plan).read_text()))
+        a.prefill, a.decode, a.colocated = fixed_layout(text)
+    except (OSError, ValueError) as e:
+        print(f"error: {'--layout' if a.layout else '--plan ' + a.plan}: {e}", file=sys.stderr)
+        return False
+    if warning:
+        print(warning, file=sys.stderr)
+    return True
 
 
 def _emulated_up(a: argparse.Namespace) -> int | None:
@@ -853,6 +881,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin workers to cores: 'auto' (share them out), 'none', or one cpu list per worker, prefill "
         "workers first, e.g. '0|1' (default: as the layout decides)",
     )
+    up.add_argument(
+        "--layout",
+        default=None,
+        help="the workers as `baton simulate`/`baton plan` name them: <N>p<M>d (N prefill and M decode "
+        "workers) or colocated[:N] (N decode workers that prefill, no prefill pool); instead of "
+        "--prefill/--decode/--colocated",
+    )
+    up.add_argument("--plan", default=None, help="apply the layout of a `baton plan --json` output file")
     _engine_args(up, dtype="auto")
     _emulate_arg(up)
     cluster_auth.add_args(up)

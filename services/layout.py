@@ -131,3 +131,29 @@ def _auto_cpus(cores: list[int], prefill: int, decode: int) -> str | None:
     lists = split_cpus("auto", prefill, cores[:front]) if prefill else []
     lists += split_cpus("auto", decode, cores[front:])
     return "|".join(format_cpu_list(c) for c in lists)
+
+
+def fixed_layout(text: str) -> tuple[int, int, bool]:
+    """``baton up --layout``: a layout as ``baton simulate`` and ``baton plan`` write it
+    (``planner/layout.py``) as the flags it stands for: (``--prefill``, ``--decode``,
+    ``--colocated``). ``colocated[:N]`` is N decode workers that prefill their own prompts, no
+    prefill pool; ``<N>p<M>d`` is N prefill and M decode workers. Raises ``ValueError``."""
+    from baton.planner.layout import parse_layout
+
+    layout = parse_layout(text)
+    return layout.prefill, layout.decode, layout.colocated
+
+
+def plan_layout(plan_json: Mapping) -> tuple[str, str | None]:
+    """``baton up --plan``: the layout a ``baton plan --json`` object chose, and a warning when
+    that plan could not meet its rate (its layout is then the best at its budget, not enough)."""
+    layout = plan_json.get("layout")
+    if not isinstance(layout, str):
+        raise ValueError("not a `baton plan --json` output: it names no layout")
+    if plan_json.get("met", True):
+        return layout, None
+    rate, best = plan_json.get("asked_rate_req_s"), plan_json.get("max_rate_req_s")
+    return layout, (
+        f"warning: the plan's {layout} does not meet its rate ({rate} req/s; at most {best} req/s "
+        "within its SLOs): it is the best layout within its budget"
+    )
