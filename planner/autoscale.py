@@ -1,0 +1,432 @@
+"""The autoscaler's decision: each pool's replicas for the next interval, from what the last one
+showed (pure: no torch; ``services/autoscaler.py`` feeds it live metrics, ``autoscale_sim.py`` a
+simulation).
+
+Each interval (``decide``):
+
+1. **Forecast.** Holt's linear smoothing of the arrival rate (``forecast.py``), read ``cold_start_s +
+   interval_s`` ahead: a worker asked for now is capacity only after its cold start, so it must fit
+   the load of then. The sizing rate is ``max(forecast, the rate just seen)``: a step up is acted on
+   in the interval that shows it, whatever the smoothing still believes.
+2. **Correct.** The profile's prefill and decode step costs are multiplied by smoothed, clamped
+   ratios of measured p90 TTFT and TPOT to what the simulator predicts for the ready layout at the
+   observed rate. A sample is used only in steady state: enough requests, no replica starting or
+   within ``warmup_s`` of becoming ready (a cold worker's first requests are slow, and Dynamo's
+   planner over-scaled on them), and no backlog (queueing is the next step's business, not the
+   profile's; counting it twice made Dynamo blind in one place and would make this over-react).
+3. **Size.** Per pool, the closed-form count (``capacity.py``) for ``rate + backlog / drain``, at
+   ``target_utilisation``: the backlog (waiting requests; the prefill pool's queued prompt tokens)
+   must drain within ``max(TTFT SLO, drain_s)`` on top of the arrivals. Then the simulator checks
+   the steady state at the sizing rate and adds a replica to the pool whose SLO it misses until the
+   layout meets ``attainment`` (TTFT missed: prefill; TPOT missed: decode).
+4. **Hysteresis.** Up at once (replicas starting count as current: they are not asked for twice).
+   Down only when every count needed in the last ``stable_intervals`` was lower, nothing is
+   starting, ``cooldown_s`` has passed since the pool's last change, and the lower count's
+   utilisation stays under ``headroom`` (below ``target_utilisation``: a dead band where neither way
+   moves). Up within ``cooldown_s`` of a scale-down (a reversal) only when the backlog or a measured
+   p90 over its SLO demands it, not on the forecast alone. Then ``[min, max]`` per pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from baton.planner.capacity import Capacity, capacity, scaled
+from baton.planner.forecast import Ewma, Holt
+from baton.planner.layout import Layout
+from baton.planner.profile import Profile
+from baton.planner.sim_result import SLO
+from baton.planner.simulate import simulate
+from baton.planner.workload import Lengths, Workload
+
+DISAGGREGATED_POOLS = ("prefill", "decode")
+COLOCATED_POOLS = ("colocated",)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    interval_s: float = 10.0
+    """Seconds between decisions."""
+    cold_start_s: float = 30.0
+    """From asking for a worker to its serving: the forecast looks this far (+ one interval) ahead."""
+    min_replicas: int = 1
+    max_replicas: int = 8
+    bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Pool -> (min, max) where it differs from ``min_replicas``/``max_replicas``."""
+    target_utilisation: float = 0.8
+    """Closed-form sizing keeps each replica's load under this share of its SLO capacity."""
+    headroom: float = 0.7
+    """A scale-down must leave the lower count's utilisation under this."""
+    stable_intervals: int = 3
+    """Intervals the lower count must have been enough before a scale-down."""
+    cooldown_s: float = 60.0
+    """No scale-down this soon after a pool's last change; no forecast-only reversal either."""
+    drain_s: float = 10.0
+    """The backlog is sized to drain within ``max(TTFT SLO, drain_s)``."""
+    attainment: float = 0.9
+    """Share of requests within both SLOs the simulator must predict (the SLOs are p90s)."""
+    holt_alpha: float = 0.3
+    holt_beta: float = 0.1
+    noise_sigmas: float = 1.0
+    """The rate just seen counts, against the forecast, less this many Poisson standard deviations
+    (``sqrt(arrivals) / interval``): a 2x step clears it at once, a noisy interval does not."""
+    correction_alpha: float = 0.3
+    """Weight of the newest observed/expected ratio."""
+    correction_range: tuple[float, float] = (0.5, 4.0)
+    warmup_s: float = 20.0
+    """After a pool's ready count rises, its latency samples are not used for this long."""
+    min_samples: int = 20
+    """Fewest arrivals in an interval for its latencies to correct the profile."""
+    sim_window_s: float = 60.0
+    """Seconds of traffic the simulator replays per check."""
+    simulate: bool = True
+    """Check the closed-form counts with the simulator (off: closed form alone)."""
+
+    def bounds_of(self, pool: str) -> tuple[int, int]:
+        return self.bounds.get(pool, (self.min_replicas, self.max_replicas))
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    ready: int
+    """Replicas serving."""
+    starting: int = 0
+    """Replicas asked for and not yet serving."""
+    waiting: int = 0
+    """Requests queued in the pool (the workers' ``num_requests_waiting``)."""
+    queued_tokens: int = 0
+    """Prompt tokens queued for prefill (prefill workers' ``queued_prefill_tokens``)."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval, as the metrics showed it."""
+
+    t_s: float
+    arrivals: int
+    """Requests that arrived in the interval."""
+    input_len: float
+    """Mean prompt tokens of the interval's requests (0: none seen)."""
+    output_len: float
+    """Mean output tokens (0: none seen)."""
+    pools: dict[str, PoolObservation]
+    p90_ttft_ms: float | None = None
+    p90_tpot_ms: float | None = None
+    interval_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    pool: str
+    current: int
+    """Ready plus starting."""
+    needed: int
+    """What the sizing asked for, within the bounds."""
+    desired: int
+    """What the pool should have: the needed count after hysteresis."""
+    reasons: tuple[str, ...]
+
+    def __str__(self) -> str:
+        arrow = "=" if self.desired == self.current else "->"
+        return f"{self.pool} {self.current} {arrow} {self.desired} ({'; '.join(self.reasons)})"
+
+
+@dataclass(frozen=True)
+class Decision:
+    t_s: float
+    rate: float
+    """Requests/s seen in the interval."""
+    sizing_rate: float
+    """Requests/s the pools were sized for."""
+    correction: tuple[float, float]
+    """(prefill, decode) step-cost factors in use."""
+    notes: tuple[str, ...]
+    pools: dict[str, PoolDecision]
+
+    @property
+    def desired(self) -> dict[str, int]:
+        return {name: d.desired for name, d in self.pools.items()}
+
+    def __str__(self) -> str:
+        k = f"correction prefill x{self.correction[0]:.2f} decode x{self.correction[1]:.2f}"
+        head = f"t={self.t_s:.0f}s rate {self.rate:.2f} req/s, sized for {self.sizing_rate:.2f}; {k}"
+        return "; ".join([head, *self.notes, *(str(p) for p in self.pools.values())])
+
+
+@dataclass
+class _PoolState:
+    needed: deque[int]
+    last_change_s: float = -math.inf
+    last_direction: int = 0
+    ready: int = 0
+    ready_rose_s: float = -math.inf
+
+
+class Autoscaler:
+    """Decides each interval; keeps the forecast, corrections and hysteresis state between calls."""
+
+    def __init__(self, profile: Profile, slo: SLO, colocated: bool, config: AutoscaleConfig | None = None):
+        self.profile, self.slo, self.colocated = profile, slo, colocated
+        self.config = cfg = config or AutoscaleConfig()
+        self.pools = COLOCATED_POOLS if colocated else DISAGGREGATED_POOLS
+        self.rate = Holt(cfg.holt_alpha, cfg.holt_beta)
+        self.input_len, self.output_len = Ewma(0.5), Ewma(0.5)
+        self.k_prefill, self.k_decode = Ewma(cfg.correction_alpha), Ewma(cfg.correction_alpha)
+        self.state = {p: _PoolState(deque(maxlen=cfg.stable_intervals)) for p in self.pools}
+        self._sim_cache: dict[tuple, tuple[float, float, float, dict[str, float]]] = {}
+
+    # -- the decision ----------------------------------------------------------------------------
+    def decide(self, obs: Observation) -> Decision:
+        cfg = self.config
+        missing = [p for p in self.pools if p not in obs.pools]
+        if missing:
+            raise ValueError(f"the observation has no {', '.join(missing)} pool")
+        rate = obs.arrivals / obs.interval_s
+        level = self.rate.level
+        self.rate.update(rate)
+        if obs.arrivals:
+            self.input_len.update(obs.input_len)
+            self.output_len.update(obs.output_len)
+        self._track_ready(obs)
+        notes = [self._correct(obs, rate, level)]
+        steps = (cfg.cold_start_s + cfg.interval_s) / cfg.interval_s
+        seen = max(0.0, rate - cfg.noise_sigmas * math.sqrt(obs.arrivals) / obs.interval_s)
+        sizing = max(self.rate.forecast(steps), seen)
+        notes.append(f"forecast {self.rate.forecast(steps):.2f} req/s in {steps * cfg.interval_s:.0f} s")
+        model = self.corrected_profile()
+        cap = capacity(model, self.mean_input, self.mean_output, self.slo)
+        if cap.why_not:
+            notes.append(f"no count meets the SLO: {cap.why_not}")
+        needed, why = self._size(model, cap, sizing, obs)
+        pools = {
+            p: self._hysteresis(p, obs, needed[p], why[p], self._demand(p, sizing, obs), cap.of(p))
+            for p in self.pools
+        }
+        return Decision(obs.t_s, rate, sizing, self.correction, tuple(notes), pools)
+
+    @property
+    def mean_input(self) -> float:
+        return self.input_len.value or 1.0
+
+    @property
+    def mean_output(self) -> float:
+        return self.output_len.value or 1.0
+
+    @property
+    def correction(self) -> tuple[float, float]:
+        return (self.k_prefill.value or 1.0, self.k_decode.value or 1.0)
+
+    def corrected_profile(self) -> Profile:
+        return scaled(self.profile, *self.correction)
+
+    # -- step 2: observed / expected -------------------------------------------------------------
+    def _track_ready(self, obs: Observation) -> None:
+        for p in self.pools:
+            st, ready = self.state[p], obs.pools[p].ready
+            if ready > st.ready:
+                st.ready_rose_s = obs.t_s
+            st.ready = ready
+
+    def _correct(self, obs: Observation, rate: float, level: float | None) -> str:
+        cfg = self.config
+        why_not = self._unsteady(obs)
+        noise = 2.0 * math.sqrt(max(obs.arrivals, 1)) / obs.interval_s
+        if not why_not and level is not None and abs(rate - level) > noise:
+            why_not = f"rate moving ({level:.2f} -> {rate:.2f} req/s)"
+        if why_not:
+            return f"correction kept ({why_not})"
+        layout = self.layout_of({p: obs.pools[p].ready for p in self.pools})
+        ttft, tpot, _, _ = self._simulated(self.profile, layout, rate, round_up=False)
+        if ttft > self.slo.ttft_ms or tpot > self.slo.tpot_ms:
+            # Past its SLO the simulated queue grows with the replayed window: no reference.
+            return f"correction kept (the ready layout is predicted over the SLO at {rate:.2f} req/s)"
+        lo, hi = cfg.correction_range
+        parts = []
+        for name, measured, expected, k in (
+            ("ttft", obs.p90_ttft_ms, ttft, self.k_prefill),
+            ("tpot", obs.p90_tpot_ms, tpot, self.k_decode),
+        ):
+            if measured is not None and expected > 0 and math.isfinite(expected):
+                ratio = min(hi, max(lo, measured / expected))
+                k.update(ratio)
+                parts.append(f"{name} {measured:.0f}/{expected:.0f} ms")
+        return f"correction updated ({', '.join(parts) or 'no latency samples'})"
+
+    def _unsteady(self, obs: Observation) -> str:
+        """Why this interval's latencies must not correct the profile, or ''."""
+        if obs.arrivals < self.config.min_samples:
+            return f"{obs.arrivals} requests < {self.config.min_samples}"
+        for p in self.pools:
+            po, st = obs.pools[p], self.state[p]
+            if po.starting:
+                return f"{po.starting} {p} replica(s) starting"
+            if obs.t_s - st.ready_rose_s < self.config.warmup_s:
+                return f"{p} replica(s) warming up"
+            if po.ready < 1:
+                return f"no {p} replica ready"
+            if self._backlog(p, obs) > po.ready:
+                return f"{p} backlog of {self._backlog(p, obs):.0f} requests"
+        return ""
+
+    # -- step 3: sizing --------------------------------------------------------------------------
+    def _backlog(self, pool: str, obs: Observation) -> float:
+        """Requests queued in ``pool`` (queued prompt tokens count in mean prompts)."""
+        po = obs.pools[pool]
+        tokens = po.queued_tokens / self.mean_input if pool != "decode" else 0.0
+        return max(float(po.waiting), tokens)
+
+    def _demand(self, pool: str, rate: float, obs: Observation) -> float:
+        """Requests/s the pool must serve: arrivals plus its backlog drained within the horizon."""
+        horizon = max(self.slo.ttft_ms / 1000.0, self.config.drain_s)
+        return rate + self._backlog(pool, obs) / horizon
+
+    def _size(
+        self, model: Profile, cap: Capacity, rate: float, obs: Observation
+    ) -> tuple[dict[str, int], dict[str, list[str]]]:
+        cfg = self.config
+        needed: dict[str, int] = {}
+        why: dict[str, list[str]] = {}
+        for p in self.pools:
+            lo, hi = cfg.bounds_of(p)
+            per = cap.of(p) * cfg.target_utilisation
+            demand = self._demand(p, rate, obs)
+            n = hi if per <= 0 else max(1, math.ceil(demand / per - 1e-9))
+            why[p] = [f"closed form {n} for {demand:.2f} req/s at {cap.of(p):.2f} req/s a replica"]
+            if not lo <= n <= hi:
+                why[p].append(f"bounds [{lo}, {hi}]")
+            needed[p] = min(hi, max(lo, n))
+        if cfg.simulate and rate > 0 and not cap.why_not:
+            self._check_by_simulation(model, rate, needed, why)
+        return needed, why
+
+    def _check_by_simulation(
+        self, model: Profile, rate: float, needed: dict[str, int], why: dict[str, list[str]]
+    ) -> None:
+        """Add replicas where the simulated steady state at ``rate`` misses the SLO."""
+        cfg = self.config
+        while True:
+            ttft, tpot, att, util = self._simulated(model, self.layout_of(needed), rate)
+            if att >= cfg.attainment:
+                return
+            grow = self._pools_missing(ttft, tpot, util)
+            grow = [p for p in grow if needed[p] < cfg.bounds_of(p)[1]]
+            if not grow:
+                for p in self.pools:
+                    why[p].append(f"simulated attainment {att:.0%} even at the bound")
+                return
+            for p in grow:
+                needed[p] += 1
+                why[p].append(f"simulator: attainment {att:.0%} (p90 TTFT {ttft:.0f}, TPOT {tpot:.0f} ms)")
+
+    def _pools_missing(self, ttft: float, tpot: float, util: dict[str, float]) -> list[str]:
+        if self.colocated:
+            return ["colocated"]
+        grow = [
+            p for p, bad in (("prefill", ttft > self.slo.ttft_ms), ("decode", tpot > self.slo.tpot_ms)) if bad
+        ]
+        return grow or [max(("prefill", "decode"), key=lambda p: util.get(p, 0.0))]
+
+    def layout_of(self, counts: dict[str, int]) -> Layout:
+        """The simulator's layout for pool counts (at least one replica a pool)."""
+        if self.colocated:
+            return Layout(0, max(1, counts["colocated"]), True)
+        return Layout(max(1, counts["prefill"]), max(1, counts["decode"]), False)
+
+    def _simulated(
+        self, model: Profile, layout: Layout, rate: float, round_up: bool = True
+    ) -> tuple[float, float, float, dict[str, float]]:
+        """(p90 TTFT, p90 TPOT, attainment, pool utilisation) of ``layout`` at ``rate`` (Poisson,
+        the mean lengths). The rate is put on a 5% grid (up when sizing) so that nearby rates share
+        a cached run."""
+        step = math.log(1.05)
+        grid = (math.ceil if round_up else round)(math.log(max(rate, 1e-3)) / step)
+        r = math.exp(grid * step)
+        i, o = max(1, round(self.mean_input)), max(1, round(self.mean_output))
+        key = (id(model), model.prefill, model.decode, str(layout), grid, i, o)
+        if key not in self._sim_cache:
+            n = min(5000, max(50, math.ceil(r * self.config.sim_window_s)))
+            w = Workload(rate=r, num_prompts=n, input_len=Lengths("fixed", i), output_len=Lengths("fixed", o))
+            res = simulate(model, layout, w, self.slo, seed=0)
+            if len(self._sim_cache) > 4096:
+                self._sim_cache.clear()
+            pu = res.pool_utilisation
+            self._sim_cache[key] = (res.ttft_ms.p90, res.tpot_ms.p90, res.slo_attainment, pu)
+        return self._sim_cache[key]
+
+    # -- step 4: hysteresis and bounds -----------------------------------------------------------
+    def _hysteresis(
+        self, pool: str, obs: Observation, needed: int, why: list[str], demand: float, per_replica: float
+    ) -> PoolDecision:
+        cfg, st, po = self.config, self.state[pool], obs.pools[pool]
+        lo, hi = cfg.bounds_of(pool)
+        current = po.ready + po.starting
+        st.needed.append(needed)
+        since = obs.t_s - st.last_change_s
+        desired, reasons = current, list(why)
+        if needed > current:
+            urgent = self._urgent(pool, obs, demand, per_replica, current)
+            if st.last_direction < 0 and since < cfg.cooldown_s and not urgent:
+                reasons.append(f"hold: scaled down {since:.0f} s ago, no backlog or SLO miss to reverse for")
+            else:
+                desired = needed
+                reasons.append("up now" + (f" ({urgent})" if urgent else ""))
+        elif needed < current:
+            desired, why_not = self._scale_down(pool, current, demand, per_replica, since, po.starting)
+            reasons.append(why_not)
+        if not lo <= desired <= hi:
+            desired = min(hi, max(lo, desired))
+            reasons.append(f"bounds [{lo}, {hi}]")
+        if desired != current:
+            st.last_change_s, st.last_direction = obs.t_s, (1 if desired > current else -1)
+        return PoolDecision(pool, current, needed, desired, tuple(reasons))
+
+    def _urgent(self, pool: str, obs: Observation, demand: float, per_replica: float, current: int) -> str:
+        """Why a scale-up cannot wait: a backlog the current count cannot drain, or a measured
+        p90 over its SLO; ''."""
+        backlog = self._backlog(pool, obs)
+        if (
+            backlog > 0
+            and per_replica > 0
+            and demand > current * per_replica * self.config.target_utilisation
+        ):
+            return f"backlog of {backlog:.0f} requests"
+        ttft, tpot = obs.p90_ttft_ms, obs.p90_tpot_ms
+        if pool != "decode" and ttft is not None and ttft > self.slo.ttft_ms:
+            return f"measured p90 TTFT {ttft:.0f} ms over the SLO"
+        if pool != "prefill" and tpot is not None and tpot > self.slo.tpot_ms:
+            return f"measured p90 TPOT {tpot:.0f} ms over the SLO"
+        return ""
+
+    def _scale_down(
+        self, pool: str, current: int, demand: float, per_replica: float, since: float, starting: int
+    ) -> tuple[int, str]:
+        cfg, st = self.config, self.state[pool]
+        if starting:
+            return current, f"hold: {starting} replica(s) still starting"
+        if len(st.needed) < cfg.stable_intervals or max(st.needed) >= current:
+            run = _trailing_below(st.needed, current)
+            return current, f"hold: lower for {run}/{cfg.stable_intervals} intervals"
+        if since < cfg.cooldown_s:
+            return current, f"hold: last change {since:.0f} s ago (cooldown {cfg.cooldown_s:.0f} s)"
+        if per_replica <= 0:
+            return current, "hold: no capacity figure"
+        floor = max(max(st.needed), math.ceil(demand / (per_replica * cfg.headroom) - 1e-9))
+        if floor >= current:
+            util = demand / ((current - 1) * per_replica) if current > 1 else math.inf
+            return current, f"hold: {current - 1} would run at {util:.0%} (headroom {cfg.headroom:.0%})"
+        return (
+            floor,
+            f"down: lower for {cfg.stable_intervals} intervals, {demand / (floor * per_replica):.0%} busy",
+        )
+
+
+def _trailing_below(values: deque[int], current: int) -> int:
+    """How many of the latest ``values`` in a row are below ``current``."""
+    run = 0
+    for n in reversed(values):
+        if n >= current:
+            break
+        run += 1
+    return run

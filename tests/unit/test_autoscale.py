@@ -1,0 +1,217 @@
+"""The autoscaler's decisions (planner/autoscale.py) on fixed traces, and in closed loop with the
+simulator (planner/autoscale_sim.py): reaction to a step, no oscillation under noise, the queue in
+the model, cold-start samples ignored, the stable window before a scale-down, bounds, P/D
+awareness, and requests out of SLO after a 2x step within the issue's bar."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Observation, PoolObservation
+from baton.planner.autoscale_sim import run_autoscaled
+from baton.planner.capacity import capacity
+from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.sim_result import SLO
+
+SLO_ = SLO(ttft_ms=500, tpot_ms=50)
+INTERVAL = 10.0
+
+
+def _profile() -> Profile:
+    """Prefill is cheap and decode dear at 256 -> 128 tokens: ~73 req/s a prefill replica, ~3.8 req/s
+    a decode replica within a 50 ms TPOT."""
+    return Profile(
+        machine=Machine(cpu="test", isa="avx2", cores=1),
+        engine=EngineShape(
+            model="m",
+            dtype="bfloat16",
+            quantization=None,
+            kv_cache_dtype="auto",
+            tensor_parallel_size=1,
+            block_size=16,
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+            kv_capacity_tokens=1 << 20,
+        ),
+        prefill=Linear(5.0, 0.05, 1e-5),
+        decode=Linear(10.0, 0.05, 0.005),
+        transfer={"ucx": Linear(2.0, 0.01)},
+        gateway_ms=1.5,
+        taken_at="2026-12-05T00:00:00Z",
+    )
+
+
+def _obs(t, rate, ready, starting=None, inp=256, out=128, ttft=None, tpot=None, waiting=None, queued=None):
+    starting, waiting, queued = starting or {}, waiting or {}, queued or {}
+    pools = {
+        p: PoolObservation(n, starting.get(p, 0), waiting.get(p, 0), queued.get(p, 0))
+        for p, n in ready.items()
+    }
+    return Observation(t, round(rate * INTERVAL), inp, out, pools, ttft, tpot, INTERVAL)
+
+
+def _settle(a: Autoscaler, rate: float, ready: dict[str, int], intervals: int = 8, t0: float = 0.0):
+    """Feed ``intervals`` of steady ``rate``, each pool's desired count ready at once; the last
+    decision and the time after it."""
+    t = t0
+    for _ in range(intervals):
+        t += INTERVAL
+        d = a.decide(_obs(t, rate, ready))
+        ready = d.desired
+    return d, t
+
+
+def test_a_2x_step_is_acted_on_in_the_interval_that_shows_it():
+    a = Autoscaler(_profile(), SLO_, colocated=False)
+    before, t = _settle(a, 6.0, {"prefill": 1, "decode": 3})
+    assert before.desired == {"prefill": 1, "decode": 3}
+    step = a.decide(_obs(t + INTERVAL, 12.0, before.desired))
+    # 12 req/s at ~3.8 a decode replica and 80% utilisation: 4 at least, asked for now.
+    assert step.desired["decode"] >= 4
+    assert "up now" in str(step.pools["decode"])
+    assert step.desired["prefill"] == 1
+
+
+def _naive() -> AutoscaleConfig:
+    """No hysteresis: a policy the oscillation test must catch."""
+    return AutoscaleConfig(stable_intervals=1, cooldown_s=0.0, headroom=0.8, noise_sigmas=0.0, holt_beta=0.5)
+
+
+def test_constant_noisy_load_makes_at_most_one_reversal_in_ten_minutes():
+    runs = {}
+    for name, cfg in (("hysteresis", AutoscaleConfig()), ("naive", _naive())):
+        a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+        runs[name] = run_autoscaled(
+            a, _profile(), SLO_, [12.0] * 60, 256, 128, {"prefill": 1, "decode": 4}, seed=2
+        )
+    steady = runs["hysteresis"]
+    assert steady.reversals("decode") <= 1 and steady.reversals("prefill") == 0
+    assert sum(steady.out_of_slo) <= 0.01 * sum(steady.arrivals)
+    # The same Poisson counts make a policy without hysteresis flap: the test can fail.
+    assert runs["naive"].reversals("decode") >= 3
+
+
+def test_a_burst_with_a_growing_queue_scales_before_the_rate_estimate_catches_up():
+    a = Autoscaler(_profile(), SLO_, colocated=False)
+    before, t = _settle(a, 6.0, {"prefill": 1, "decode": 3})
+    # The burst landed in the queue: the arrivals counted this interval barely moved.
+    d = a.decide(_obs(t + INTERVAL, 6.5, before.desired, waiting={"decode": 150}, ttft=30_000))
+    assert d.desired["decode"] >= 3 + 4  # 150 requests to drain within 10 s at ~3 req/s a replica
+    assert "backlog of 150 requests" in str(d.pools["decode"])
+    # Without the queue the same rate asks for nothing more.
+    b = Autoscaler(_profile(), SLO_, colocated=False)
+    same, t = _settle(b, 6.0, {"prefill": 1, "decode": 3})
+    assert b.decide(_obs(t + INTERVAL, 6.5, same.desired)).desired["decode"] == 3
+
+
+def _inflated(a: Autoscaler, ready, starting, t):
+    """An interval at the settled rate whose latencies are 10x what the profile predicts."""
+    return a.decide(_obs(t, 6.0, ready, starting=starting, ttft=600.0, tpot=400.0))
+
+
+def test_cold_start_samples_do_not_correct_the_profile_nor_over_scale():
+    a = Autoscaler(_profile(), SLO_, colocated=False)
+    settled, t = _settle(a, 6.0, {"prefill": 1, "decode": 3}, intervals=6)
+    # A replica is starting: its pool's slow first requests are in this interval's p90.
+    d = _inflated(a, settled.desired, {"decode": 1}, t + INTERVAL)
+    assert a.correction == (1.0, 1.0)
+    assert "starting" in str(d)
+    # The replica became ready: still warming, still ignored.
+    ready = {"prefill": 1, "decode": 4}
+    d = _inflated(a, ready, {}, t + 2 * INTERVAL)
+    assert a.correction == (1.0, 1.0) and "warming up" in str(d)
+    assert d.desired["decode"] <= 4
+    # The same samples in steady state do correct it (the check above can fail).
+    b = Autoscaler(_profile(), SLO_, colocated=False)
+    settled, t = _settle(b, 6.0, {"prefill": 1, "decode": 3}, intervals=6)
+    _inflated(b, settled.desired, {}, t + INTERVAL)
+    assert b.correction[0] > 1.5 and b.correction[1] > 1.5
+
+
+def test_scale_down_waits_for_the_stable_window_and_the_cooldown():
+    cfg = AutoscaleConfig(stable_intervals=3, cooldown_s=60.0)
+    a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    high, t = _settle(a, 12.0, {"prefill": 1, "decode": 4})
+    ready = high.desired
+    history = []
+    for _ in range(6):
+        t += INTERVAL
+        d = a.decide(_obs(t, 3.0, ready))
+        history.append(d.desired["decode"])
+        ready = d.desired
+    # Needed drops at once to 2; the first two intervals hold, the third steps down.
+    assert history[0] == history[1] == high.desired["decode"]
+    assert history[2] < high.desired["decode"]
+    assert min(history) >= 2
+    # Nothing scales down while a replica is starting.
+    b = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    high, t = _settle(b, 12.0, {"prefill": 1, "decode": 4})
+    for _ in range(5):
+        t += INTERVAL
+        d = b.decide(_obs(t, 3.0, {"prefill": 1, "decode": 4}, starting={"decode": 1}))
+        assert d.desired["decode"] == 5
+
+
+def test_bounds_hold_both_ways():
+    cfg = AutoscaleConfig(bounds={"decode": (2, 3), "prefill": (1, 1)}, stable_intervals=1, cooldown_s=0)
+    a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    d = a.decide(_obs(10.0, 40.0, {"prefill": 1, "decode": 2}))
+    assert d.desired == {"prefill": 1, "decode": 3}
+    assert "bounds [2, 3]" in str(d.pools["decode"])
+    t = 10.0
+    for _ in range(10):
+        t += INTERVAL
+        d = a.decide(_obs(t, 0.0, d.desired))
+    assert d.desired == {"prefill": 1, "decode": 2}
+    # Colocated is one pool, bounded the same way.
+    c = Autoscaler(_profile(), SLO_, colocated=True, config=AutoscaleConfig(max_replicas=2))
+    assert c.decide(_obs(10.0, 40.0, {"colocated": 1})).desired == {"colocated": 2}
+
+
+@pytest.mark.parametrize(
+    "mix, grows, stays",
+    [((4000, 2), "prefill", "decode"), ((32, 512), "decode", "prefill")],
+    ids=["prefill-heavy", "decode-heavy"],
+)
+def test_the_mix_decides_which_pool_grows(mix, grows, stays):
+    inp, out = mix
+    slo = SLO(ttft_ms=2000, tpot_ms=50)
+    a = Autoscaler(_profile(), slo, colocated=False)
+    d = a.decide(_obs(10.0, 8.0, {"prefill": 1, "decode": 1}, inp=inp, out=out))
+    assert d.desired[grows] >= 3
+    assert d.desired[stays] == 1
+
+
+def test_autoscaled_simulation_keeps_a_2x_step_within_the_bar():
+    """The issue's bar: requests out of SLO <= (cold start + one interval) x the new rate."""
+    cfg = AutoscaleConfig(cold_start_s=30.0)
+    rates = [7.0] * 12 + [14.0] * 18  # 3 decode replicas serve 7 req/s, not 14
+    results = {}
+    for name, c in (("autoscaled", cfg), ("fixed", dataclasses.replace(cfg, max_replicas=3))):
+        a = Autoscaler(_profile(), SLO_, colocated=False, config=c)
+        n = len(rates) if name == "autoscaled" else 20
+        results[name] = run_autoscaled(
+            a, _profile(), SLO_, rates[:n], 256, 128, {"prefill": 1, "decode": 3}, seed=1
+        )
+    run = results["autoscaled"]
+    bar = (cfg.cold_start_s + INTERVAL) * 14.0
+    assert sum(run.out_of_slo[:12]) == 0
+    assert 0 < sum(run.out_of_slo) <= bar
+    # Decided in the first interval of the step; nothing out of SLO once the new workers serve.
+    assert run.decisions[12].desired["decode"] > 3
+    assert sum(run.out_of_slo[12 + 6 :]) == 0
+    # Held at 3 decode replicas, the same arrivals break the bar: it measures the autoscaler.
+    assert sum(results["fixed"].out_of_slo) > bar
+
+
+def test_capacity_says_when_no_count_meets_the_slo():
+    cap = capacity(_profile(), 256, 128, SLO(ttft_ms=500, tpot_ms=5))
+    assert cap.decode == 0 and "TPOT" in cap.why_not
+    a = Autoscaler(
+        _profile(), SLO(ttft_ms=500, tpot_ms=5), colocated=False, config=AutoscaleConfig(max_replicas=4)
+    )
+    d = a.decide(_obs(10.0, 2.0, {"prefill": 1, "decode": 1}))
+    assert d.desired == {"prefill": 4, "decode": 4}
+    assert "no count meets the SLO" in str(d)
