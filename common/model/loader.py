@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baton.common.model import quant
+from baton.common.model import quant, quant_calibration, quant_checkpoint
 from baton.common.model.config import LlamaConfig
 from baton.common.model.llama import LlamaForCausalLM
 from baton.common.model.mixtral import MixtralConfig, MixtralForCausalLM, assemble_experts, is_mixtral
@@ -142,7 +142,7 @@ def _assemble(items, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Te
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in items:
         t = torch.from_numpy(np.require(w, requirements=["C", "W"])) if isinstance(w, np.ndarray) else w
-        t = t if quant.keeps_dtype(name, t) else t.to(dtype)
+        t = t if quant_checkpoint.keeps_dtype(name, t) else t.to(dtype)
         head, _, short = name.rpartition(".")
         if name.startswith("layers.") and short in ("q", "k", "v", "gate", "up"):
             parts.setdefault(head, {})[short] = t
@@ -258,11 +258,11 @@ def load_model(
         with open(os.path.join(source.path, "config.json")) as f:
             hf = json.load(f)
         cfg = config_from_hf(hf)
-        quantization = _checkpoint_agrees(quant.checkpoint_quantization(hf), quantization)
+        quantization = _checkpoint_agrees(quant_checkpoint.checkpoint_quantization(hf), quantization)
         state = _assemble(_iter_safetensors(source.path, progress), cfg, dtype)
         if isinstance(cfg, MixtralConfig):
             state = assemble_experts(state)
-        prequantized = quant.take_prequantized(state)
+        prequantized = quant_checkpoint.take_prequantized(state)
     with torch.device("meta"):
         model = MixtralForCausalLM(cfg) if isinstance(cfg, MixtralConfig) else LlamaForCausalLM(cfg)
     # The checkpoint's tensors become the parameters (no copy); ``to_empty`` on a meta model would
@@ -280,7 +280,7 @@ def load_model(
 
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     model = model.eval().requires_grad_(False)
-    quant.prepare_quantization(model, quantization, source, prequantized)  # int8: SmoothQuant
+    quant_calibration.prepare_quantization(model, quantization, source, prequantized)  # int8: SmoothQuant
     if tensor_parallel is not None:
         from baton.common.model.tensor_parallel import shard_model
 

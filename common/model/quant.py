@@ -10,7 +10,7 @@ from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the lay
   ``WEIGHT_ONLY_BELOW`` rows a weight-only int8 kernel (``torch._weight_int8pack_mm``: int8
   weights, activations in the model dtype) is faster: the product is bound by reading the
   weights, and quantizing the activations would only add work. Before quantizing, the model is
-  smoothed (SmoothQuant, ``smooth_model``: per-channel scales folded between each norm and the
+  smoothed (SmoothQuant, ``quant_calibration``: per-channel scales folded between each norm and the
   q/k/v or gate/up projection it feeds, set from one prefill of ``CALIBRATION_TEXT``), and the LM
   head stays bf16: SmolLM2's perplexity goes from 1.061x bf16's to 1.024x (``baton bench accuracy``).
 - **fp8**: e4m3 weights with a per-output-channel scale. A per-channel scale factors out of the
@@ -18,15 +18,14 @@ from the bf16/fp32 weights or read from a compressed-tensors checkpoint (the lay
   (``cpu_ops.fp8_widen``, a table lookup) and the output columns are scaled; on a GPU, a Triton kernel does the same in registers
   (``kernels.triton_quant``).
 
-The model is built and loaded as usual; ``prepare_quantization`` smooths it (int8) and
-``quantize_model`` then swaps its projections (and the LM head where ``QUANTIZE_LM_HEAD`` says) for
-the modules here, so ``llama.py`` knows nothing of the formats.
+The model is built and loaded as usual; ``quant_calibration.prepare_quantization`` smooths it
+(int8) and ``quantize_model`` then swaps its projections (and the LM head where
+``QUANTIZE_LM_HEAD`` says) for the modules here, so ``llama.py`` knows nothing of the formats.
+Checkpoints in the compressed-tensors layout are read and written by ``quant_checkpoint``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 from baton.common.model.quant_names import check_quantization
 
 if TYPE_CHECKING:
-    from baton.common.model.llama import Linear, LlamaForCausalLM, RMSNorm
+    from baton.common.model.llama import LlamaForCausalLM
 
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -304,137 +303,6 @@ def fp8_linear_cpu(
     return out
 
 
-# -- SmoothQuant smoothing (int8) ----------------------------------------------------------------
-SMOOTH_ALPHA = 0.5
-"""SmoothQuant's migration strength: how much of an input channel's range moves from the
-activations into the weights (llm-compressor's default; 0.8 measured worse on SmolLM2)."""
-
-CALIBRATION_TEXT = """\
-The river rose slowly through the night, and by morning the lower fields were under water. Farmers
-moved their animals to the hills, and the school in the village opened its doors to families who had
-nowhere else to go. Nobody could remember a spring so wet.
-
-User: What is the capital of France, and how many people live there?
-Assistant: The capital of France is Paris. About two million people live in the city itself, and
-more than twelve million in the wider metropolitan area.
-
-def mean(values):
-    \"\"\"Return the arithmetic mean of a non-empty list of numbers.\"\"\"
-    if not values:
-        raise ValueError("mean() needs at least one value")
-    return sum(values) / len(values)
-
-In 1905, Albert Einstein published four papers that changed physics: on the photoelectric effect, on
-Brownian motion, on special relativity, and on the equivalence of mass and energy, E = mc^2. Prices
-rose 3.2% in March; the central bank said it would keep its rate at 4.5% until inflation fell.
-"""
-"""A small fixed text (prose, a chat turn, code, numbers) whose activations set the smoothing
-scales: SmoothQuant needs each channel's activation range, which the weights alone do not tell
-(estimating it from the norm weights measured 1.049x bf16's perplexity against 1.024x)."""
-
-
-def smoothing_scales(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per input channel ``s_j = a_j^alpha / w_j^(1 - alpha)`` (``a_j``: the channel's activation
-    range, ``w_j``: its largest weight over the output rows), rounded to a power of two so that
-    dividing a bf16 norm weight by it and multiplying a bf16 weight column are exact (a saved
-    checkpoint then reloads the same weights)."""
-    a = act_amax.float().abs().clamp_min(1e-5)
-    w = weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
-    return torch.exp2(torch.round(torch.log2(a.pow(alpha) / w.pow(1 - alpha))))
-
-
-def smoothed_pairs(model: LlamaForCausalLM) -> list[tuple[RMSNorm, Linear]]:
-    """(RMSNorm, the projection it alone feeds) of every layer: q/k/v after the input norm and
-    gate/up after the post-attention norm (llm-compressor's SmoothQuant mappings for Llama)."""
-    from baton.common.model.llama import Linear, RMSNorm
-
-    pairs = []
-    for layer in model.layers:
-        for norm_name, proj_path in (
-            ("input_layernorm", "self_attn.qkv_proj"),
-            ("post_attention_layernorm", "mlp.gate_up_proj"),
-        ):
-            norm = getattr(layer, norm_name, None)
-            try:
-                proj = layer.get_submodule(proj_path)
-            except AttributeError:
-                continue  # e.g. a mixture of experts in place of the MLP
-            if isinstance(norm, RMSNorm) and isinstance(proj, Linear) and proj.weight is not None:
-                pairs.append((norm, proj))
-    return pairs
-
-
-def prefill_inputs(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> tuple:
-    """``model.forward``'s arguments for one prefill of ``token_ids`` into a scratch paged cache
-    (ids, positions, cache, metadata)."""
-    from baton.common.model.attention import AttentionMetadata, FreshRun
-
-    cfg, n = model.config, len(token_ids)
-    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    nb = -(-n // block_size)
-    shape = (nb, cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-    rows = torch.arange(n, device=dev)
-    meta = AttentionMetadata(
-        slot_blocks=rows // block_size,
-        slot_offsets=rows % block_size,
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-        fresh_runs=(FreshRun(0, 1, n),),
-        context_prefills=(),
-        prefill_block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-        prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-    )
-    ids = torch.tensor(token_ids, device=dev)
-    return ids, rows, torch.zeros(shape, dtype=dtype, device=dev), meta
-
-
-def activation_ranges(model: LlamaForCausalLM, token_ids: list[int]) -> dict:
-    """Per-channel max |x| at the input of every smoothed projection (module -> [in]) over one
-    prefill of ``token_ids`` through the model."""
-    ranges: dict = {}
-
-    def record(module, args):
-        ranges[module] = args[0].detach().float().abs().amax(dim=0)
-
-    hooks = [proj.register_forward_pre_hook(record) for _, proj in smoothed_pairs(model)]
-    try:
-        with torch.inference_mode():
-            model(*prefill_inputs(model, token_ids))
-    finally:
-        for h in hooks:
-            h.remove()
-    return ranges
-
-
-def smooth_model(model: LlamaForCausalLM, token_ids: list[int], alpha: float = SMOOTH_ALPHA) -> None:
-    """SmoothQuant before int8 quantization: between each norm and the projection it feeds, fold
-    a per-channel scale (``smoothing_scales`` of the activation ranges over ``token_ids``): the
-    norm's output channel j divided by ``s_j``, the projection's input column j multiplied by it,
-    so the product is unchanged and the outlier channels that per-token int8 activations lose
-    precision to are flattened. Runs on the whole model, before tensor-parallel sharding."""
-    ranges = activation_ranges(model, token_ids)
-    with torch.no_grad():
-        for norm, proj in smoothed_pairs(model):
-            s = smoothing_scales(ranges[proj], proj.weight, alpha)
-            norm.weight.data = (norm.weight.float() / s).to(norm.weight.dtype)
-            proj.weight.data = (proj.weight.float() * s).to(proj.weight.dtype)
-
-
-def prepare_quantization(
-    model: LlamaForCausalLM, quantization: str | None, source, prequantized: dict
-) -> None:
-    """What a loaded model (``source``: its ``ModelSource``) needs before sharding and
-    ``quantize_model``: int8 quantized here (not read from a checkpoint, whose weights were smoothed
-    before they were saved) is smoothed on ``CALIBRATION_TEXT``, tokenized by the model's tokenizer."""
-    if quantization == "int8" and not prequantized:
-        from baton.common.model.source import load_tokenizer
-
-        ids = load_tokenizer(source).encode(CALIBRATION_TEXT, add_special_tokens=False)
-        smooth_model(model, ids)
-
-
 _MODULES = {"int8": Int8Linear, "fp8": Fp8Linear}
 _QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
 
@@ -469,156 +337,3 @@ def quantize_model(
         dtype = model.embed_tokens.weight.dtype
         # W8A8 at every row count: 49152 rows of int8 through oneDNN beat both other kernels.
         model.lm_head_quant = Int8Linear(*quantize(model.lm_head_weight), dtype, torch.float32, 0)
-
-
-# -- compressed-tensors checkpoints ---------------------------------------------------------------
-# vLLM's compressed-tensors layout: each quantized Linear stores ``weight`` as codes and
-# ``weight_scale`` [out, 1]; config.json names the scheme under ``quantization_config``.
-_FORMATS = {"int8": "int-quantized", "fp8": "float-quantized"}
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def quantization_config(quantization: str) -> dict:
-    """The ``quantization_config`` of config.json for a checkpoint written by ``save_quantized``."""
-    weights: dict[str, object] = {
-        "num_bits": 8,
-        "type": "int" if quantization == "int8" else "float",
-        "symmetric": True,
-        "strategy": "channel",
-        "dynamic": False,
-        "group_size": None,
-        "block_structure": None,
-        "actorder": None,
-        "observer": "minmax",
-        "observer_kwargs": {},
-    }
-    # int8 is W8A8: activations quantized per token at run time. fp8 is weight-only here.
-    acts = (
-        {**weights, "strategy": "token", "dynamic": True, "observer": None}
-        if quantization == "int8"
-        else None
-    )
-    return {
-        "quant_method": "compressed-tensors",
-        "format": _FORMATS[quantization],
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": acts,
-                "output_activations": None,
-            }
-        },
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-    }
-
-
-def checkpoint_quantization(hf_config: dict) -> str | None:
-    """``int8``/``fp8`` for a compressed-tensors config.json that this module reads, else None;
-    a scheme it does not read (other bits, group or tensor scales) is refused."""
-    qc = hf_config.get("quantization_config")
-    if not qc:
-        return None
-    if qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(
-            f"quantization method {qc.get('quant_method')!r} is not supported (compressed-tensors)"
-        )
-    groups = list(qc.get("config_groups", {}).values())
-    if len(groups) != 1:
-        raise ValueError("compressed-tensors checkpoints with other than one config group are not supported")
-    w = groups[0]["weights"]
-    kind = {("int", 8): "int8", ("float", 8): "fp8"}.get((w.get("type"), w.get("num_bits")))
-    if kind is None or w.get("strategy") != "channel" or not w.get("symmetric", True):
-        raise ValueError(f"compressed-tensors weights {w} are not supported (8-bit symmetric per channel)")
-    return kind
-
-
-def take_prequantized(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Pop the codes and scales of every quantized projection out of an assembled state dict
-    (fused names, see ``loader._assemble``: codes already concatenated, scales still per part) and
-    return them by module name, scales concatenated as the codes are."""
-    out = {}
-    for key in [k for k in state if k.endswith(".weight") and state[k].dtype in (torch.int8, FP8_DTYPE)]:
-        module = key.removesuffix(".weight")
-        parts = _FUSED.get(_tail(module))
-        names = [f"{_head(module)}.{p}" for p in parts] if parts else [module]
-        scales = [state.pop(f"{n}.weight_scale").float().reshape(-1) for n in names]
-        out[module] = (state.pop(key), torch.cat(scales))
-    return out
-
-
-def _tail(module: str) -> str:
-    """``layers.3.self_attn.qkv_proj`` -> ``self_attn.qkv_proj``."""
-    return ".".join(module.split(".")[-2:])
-
-
-def _head(module: str) -> str:
-    """``layers.3.self_attn.qkv_proj`` -> ``layers.3``."""
-    return ".".join(module.split(".")[:-2])
-
-
-def keeps_dtype(name: str, t: torch.Tensor) -> bool:
-    """Tensors a loader must not cast to the model dtype: codes and their scales."""
-    return t.dtype in (torch.int8, FP8_DTYPE) or name.endswith(".weight_scale")
-
-
-def _hf_name(module: str) -> str:
-    return f"model.{module}"
-
-
-def quantized_state(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A quantized model's tensors under Hugging Face names in the compressed-tensors layout:
-    fused projections split back into q/k/v and gate/up, codes as ``weight`` and [out, 1] fp32
-    ``weight_scale``; the embedding and norms in ``dtype``. The LM head, quantized or not, is
-    written only where it is not tied to the embedding (as a plain weight: ``ignore``)."""
-    state: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and name != "lm_head_quant":
-            parts = _FUSED.get(_tail(name))
-            if parts is None:
-                splits = [(name, module.qweight, module.scale)]
-            else:
-                sizes = _part_sizes(model, _tail(name))
-                qs, ss = module.qweight.split(sizes), module.scale.split(sizes)
-                splits = [(f"{_head(name)}.{p}", q, s) for p, q, s in zip(parts, qs, ss)]
-            for part, q, s in splits:
-                state[_hf_name(part) + ".weight"] = q.contiguous()
-                state[_hf_name(part) + ".weight_scale"] = s.reshape(-1, 1).contiguous()
-    state["model.embed_tokens.weight"] = model.embed_tokens.weight.detach().to(dtype)
-    for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            state[_hf_name(name)] = p.detach().to(dtype)
-    if not model.config.tie_word_embeddings:
-        state["lm_head.weight"] = model.lm_head_weight.detach().to(dtype)
-    return state
-
-
-def _part_sizes(model: LlamaForCausalLM, tail: str) -> list[int]:
-    cfg = model.config
-    if tail == "self_attn.qkv_proj":
-        kv = cfg.num_kv_heads * cfg.head_dim
-        return [cfg.num_heads * cfg.head_dim, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
-
-
-def save_quantized(
-    model: LlamaForCausalLM, quantization: str, dtype: torch.dtype, out_dir: str, tokenizer
-) -> None:
-    """Write a quantized model as a compressed-tensors checkpoint directory: model.safetensors,
-    config.json (with ``quantization_config``) and the tokenizer."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(quantized_state(model, dtype), os.path.join(out_dir, "model.safetensors"))
-    config = model.config.to_hf() | {
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "quantization_config": quantization_config(quantization),
-    }
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(out_dir)

@@ -1,13 +1,13 @@
 """``baton quantize``: a model loaded, quantized and written as a compressed-tensors checkpoint.
-It sits above the loader (which quantizes what it loads through ``quant``), so that ``quant``
-never imports the loader."""
+It sits above the loader (which quantizes what it loads through ``quant``), so that ``quant`` and
+``quant_checkpoint`` never import the loader."""
 
 from __future__ import annotations
 
 import torch
 
 from baton.common.model.loader import load_model
-from baton.common.model.quant import save_quantized
+from baton.common.model.quant_checkpoint import save_quantized
 from baton.common.model.source import ModelSource, load_tokenizer
 
 

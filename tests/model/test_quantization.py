@@ -99,7 +99,7 @@ def test_compressed_tensors_round_trip_gives_the_same_tokens(method, tiny_dir, t
 
 def test_unknown_quantization_is_refused():
     from baton.common.engine.config import EngineConfig
-    from baton.common.model.quant import checkpoint_quantization
+    from baton.common.model.quant_checkpoint import checkpoint_quantization
 
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
@@ -158,7 +158,7 @@ def test_smoothing_folds_exactly_and_rescales_the_outlier_channels(tiny_dir):
     the norm weights of outlier channels (made 30x the rest here) shrink and their weight columns grow."""
     import torch
 
-    from baton.common.model import quant
+    from baton.common.model import quant_calibration
     from baton.common.model.llama import LlamaForCausalLM
     from baton.common.model.loader import config_from_hf
 
@@ -172,13 +172,13 @@ def test_smoothing_folds_exactly_and_rescales_the_outlier_channels(tiny_dir):
             norm.weight.data[:4] *= 30  # outlier channels
     ids = [100 + 37 * i % 900 for i in range(40)]
     with torch.inference_mode():
-        before = model(*quant.prefill_inputs(model, ids))
+        before = model(*quant_calibration.prefill_inputs(model, ids))
     norm0 = model.layers[0].input_layernorm.weight.clone()
-    quant.smooth_model(model, ids)
+    quant_calibration.smooth_model(model, ids)
     with torch.inference_mode():
-        after = model(*quant.prefill_inputs(model, ids))
+        after = model(*quant_calibration.prefill_inputs(model, ids))
     assert torch.equal(before, after)
     ratio = model.layers[0].input_layernorm.weight / norm0  # 1 / s: powers of two
     assert torch.equal(ratio, torch.exp2(torch.round(torch.log2(ratio))))
     assert ratio[:4].max() < ratio[4:].min(), "the outlier channels are scaled down the most"
-    assert len(quant.smoothed_pairs(model)) == 2 * cfg.num_layers
+    assert len(quant_calibration.smoothed_pairs(model)) == 2 * cfg.num_layers
