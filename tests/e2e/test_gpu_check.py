@@ -40,6 +40,7 @@ def test_cpu_half_passes_and_every_gpu_check_needs_a_gpu(tmp_path):
     assert checks["seeded_model"]["parameters"] == 49152 * 576 + 4 * (3_538_944 + 2 * 576) + 576
     parity = checks["engine_cpu_fp32_vs_transformers"]
     assert parity["tokens"] == 4 * 24 and parity["tokens_matched"] == parity["tokens"], parity
+    assert checks["seeded_model"]["context_sensitivity"] >= 0.5
     assert CPU_HALF <= set(checks)
 
 
