@@ -250,3 +250,14 @@ def test_the_emulated_engine_keeps_the_profiles_shape_and_real_books(tmp_path):
         create_emulated_engine(config)
     with pytest.raises(ValueError, match="emulate"):
         create_engine(config)
+
+
+def test_baton_up_emulate_needs_the_layout_given(tmp_path, capsys):
+    """The machine's probe says nothing of emulated workers: without --prefill (or --colocated)
+    ``baton up --emulate`` stops before starting anything, saying why."""
+    from baton.services.cli import main
+
+    path = tmp_path / "profile.json"
+    PROFILE.save(path)
+    assert main(["up", "--emulate", str(path), "--decode", "2"]) == 2
+    assert "--emulate needs --prefill" in capsys.readouterr().err
