@@ -1,13 +1,14 @@
 """CPU kernels (a torch C++ extension, built ahead of serving) and their Python wrappers.
 
 ``build(level)`` compiles every ``cpu/*.cpp`` into one module (``cpu/bindings.cpp`` holds the Python
-bindings) with ``-O3 -ffp-contract=off`` and the level's ``-march`` into ``$BATON_KERNEL_CACHE``
-(default ``~/.cache/baton/kernels``), in a folder named by a hash of the sources, the flags and the
-torch version. The ``native`` level (``-march=native``, what ``make install`` builds) is named by the
-CPU's flags too, so another machine rebuilds; the portable levels of ``isa.LEVELS`` (what an image's
-builder makes, ``baton build-kernels --isa all``) are not, and ``load()`` imports the best one the
-CPU runs: a pod on another CPU neither recompiles nor needs a compiler. Importing this module builds
-nothing; a worker's warm-up builds ``native`` when nothing built fits, before it reports ready.
+bindings; the ``cpu/*.h`` headers what several kernels share) with ``-O3 -ffp-contract=off`` and the
+level's ``-march`` into ``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``), in a folder
+named by a hash of the sources and headers, the flags and the torch version. The ``native`` level
+(``-march=native``, what ``make install`` builds) is named by the CPU's flags too, so another machine
+rebuilds; the portable levels of ``isa.LEVELS`` (what an image's builder makes, ``baton build-kernels
+--isa all``) are not, and ``load()`` imports the best one the CPU runs: a pod on another CPU neither
+recompiles nor needs a compiler. Importing this module builds nothing; a worker's warm-up builds
+``native`` when nothing built fits, before it reports ready.
 Building needs a C++ compiler and ``ninja``; importing a build writes nothing."""
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ _SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 
 def _sources() -> list[Path]:
     return sorted(_SOURCE_DIR.glob("*.cpp"))
+
+
+def _headers() -> list[Path]:
+    """The headers the sources include: compiled only through them, but hashed into the build's
+    name like a source, so that an edited header never leaves a stale build in use."""
+    return sorted(_SOURCE_DIR.glob("*.h"))
 
 
 def _openmp_flags() -> tuple[list[str], list[str]]:
@@ -87,7 +94,7 @@ def _spec(level: str = isa.NATIVE) -> _Spec:
     cflags = ["-O3", *arch, "-ffp-contract=off", *omp_cflags]
     sources = _sources()
     key = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *_headers()]:
         key.update(src.name.encode())
         key.update(hashlib.sha256(src.read_bytes()).digest())
     parts = [repr(cflags), repr(omp_ldflags), torch.__version__]

@@ -20,8 +20,10 @@
 //     (running max = lse, sum = 1, accumulator = partial output): continuing the online softmax
 //     from a partial result is the log-sum-exp merge (FlashInfer's merge_state) done in registers.
 // Rows in no group run pass 2 alone over their whole context, as the plain kernel does.
-// The AVX-512 helpers below are copies of those two kernels' (one extension, separate translation
-// units); the portable path (no AVX-512, or other G / D) is a scalar loop for both passes.
+// Both kernels' AVX-512 helpers (row loaders, dot products, exp polynomials, chunk packing) come
+// from attention_common.h; the two loops themselves are adaptations of theirs (no mask, an LSE out;
+// a start from a state), kept here. The portable path (no AVX-512, or other G / D) is a scalar loop
+// for both passes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +45,8 @@
 #include <immintrin.h>
 #define BATON_CASCADE_AVX512 1
 #endif
+
+#include "attention_common.h"
 
 namespace {
 
@@ -75,18 +79,6 @@ struct CascadeParams {
 struct SharedItem {
   int64_t g, kh, r0, r1;
 };
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 / Half: round to nearest even
 
 inline int64_t item_row(const CascadeParams& p, const SharedItem& it, int64_t i) {
   return p.group_rows[p.group_starts[it.g] + i / p.G];
@@ -186,239 +178,7 @@ void suffix_generic(const CascadeParams& p, int64_t b, int64_t kh, std::vector<f
   }
 }
 
-struct alignas(64) CacheLine {
-  uint8_t bytes[64];
-};
-
 #ifdef BATON_CASCADE_AVX512
-// ---------------------------------------------------------------------------------------------
-// AVX-512 helpers (copies of paged_prefill.cpp's and paged_attention.cpp's).
-
-template <int DEG>
-struct Exp2Poly {
-  template <bool MASKED>
-  static inline __m512 eval(__mmask16 k, __m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 y;
-    if constexpr (DEG == 4) {
-      y = _mm512_set1_ps(0.009570043534040451f);
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05591786280274391f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.2402474582195282f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931217908859253f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.9999992847442627f));
-    } else {
-      static_assert(DEG == 6, "degree 4 or 6");
-      y = _mm512_set1_ps(0.0001534576149424538f);
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.0013399932067841291f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.009618489071726799f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05550328642129898f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24022646248340607f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931471824645996f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-    }
-    if constexpr (MASKED) return _mm512_maskz_scalef_ps(k, y, n);
-    return _mm512_scalef_ps(y, n);
-  }
-};
-
-// Max over the 16 lanes, broadcast to every lane.
-inline __m512 bcast_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
-// Keys 0..n-1 of a 16-key group valid (n may be <= 0 or >= 16).
-inline __mmask16 prefix_mask(int64_t n) {
-  if (n >= 16) return static_cast<__mmask16>(0xFFFF);
-  if (n <= 0) return 0;
-  return static_cast<__mmask16>((1u << n) - 1u);
-}
-
-inline uint32_t load_u32(const void* p) {
-  uint32_t x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-// exp for x <= 0 (Cephes expf polynomial, ~1 ulp); -inf and very negative inputs give 0.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-// Row loaders: D elements of a row as D/16 fp32 vectors, in an order given by dim().
-template <typename T, int D>
-struct Row;
-
-template <int D>
-struct Row<float, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const float* p, __m512* r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(p + 16 * c);
-  }
-  static inline int dim(int c, int i) { return 16 * c + i; }
-};
-
-// bf16: each 32-element chunk becomes (even elements, odd elements).
-template <int D>
-struct Row<c10::BFloat16, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const c10::BFloat16* p, __m512* r) {
-    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-#pragma GCC unroll 8
-    for (int c = 0; c < NV / 2; ++c) {
-      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p + 32 * c));
-      r[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      r[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
-    }
-  }
-  static inline int dim(int c, int i) { return 32 * (c / 2) + 2 * i + (c % 2); }
-};
-
-template <int D>
-struct Row<c10::Half, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const c10::Half* p, __m512* r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c)
-      r[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c)));
-  }
-  static inline int dim(int c, int i) { return 16 * c + i; }
-};
-
-// Transposing reduction tree: 16 vectors (one per token) -> one vector of their 16 lane sums.
-// After the four levels lane 4i+j holds token i+4j; kTokenOrder undoes that.
-inline __m512 tree1(__m512 a, __m512 b) {  // [a0+a2, a1+a3, b0+b2, b1+b3] (128-bit chunks)
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-inline __m512 tree2(__m512 a, __m512 b) {  // chunk c: the 4 partial sums of vector c
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 tree3(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-inline __m512 tree4(__m512 a, __m512 b) {
-  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-}
-inline __m512i token_order() {
-  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-}
-
-// q.k for the G heads of one token: per head a 16-lane vector whose lane sum is the dot product.
-template <typename T, int G, int D>
-struct Dot {
-  __m512 q[G][D / 16];
-  inline void init(const T* qp, int64_t hstride) {
-    for (int g = 0; g < G; ++g) Row<T, D>::load(qp + g * hstride, q[g]);
-  }
-  inline void operator()(const T* krow, __m512* s) const {
-    constexpr int NV = D / 16;
-    __m512 k[NV];
-    Row<T, D>::load(krow, k);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(q[g][0], k[0]);
-#pragma GCC unroll 8
-      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(q[g][c], k[c], a);
-      s[g] = a;
-    }
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <int G, int D>
-struct Dot<c10::BFloat16, G, D> {
-  static constexpr int NC = D / 32;
-  __m512bh q[G][NC];
-  inline void init(const c10::BFloat16* qp, int64_t hstride) {
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NC; ++c)
-        q[g][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qp + g * hstride + 32 * c));
-  }
-  inline void operator()(const c10::BFloat16* krow, __m512* s) const {
-    __m512bh k[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c)
-      k[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(krow + 32 * c));
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
-#pragma GCC unroll 8
-      for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, q[g][c], k[c]);
-      s[g] = a;
-    }
-  }
-};
-#endif
-
-// Raw scores (before scale) of up to 16 consecutive rows; rows >= n are not read and give 0.
-template <typename T, int G, int D, bool FULL>
-inline void scores16(const Dot<T, G, D>& dot, const T* krow, int n, __m512* out) {
-  __m512 z[2][G];
-#pragma GCC unroll 2
-  for (int h8 = 0; h8 < 2; ++h8) {
-    __m512 y[2][G];
-#pragma GCC unroll 2
-    for (int h4 = 0; h4 < 2; ++h4) {
-      __m512 w[2][G];
-#pragma GCC unroll 2
-      for (int h2 = 0; h2 < 2; ++h2) {
-        __m512 v[2][G];
-#pragma GCC unroll 2
-        for (int u = 0; u < 2; ++u) {
-          const int t = 8 * h8 + 4 * h4 + 2 * h2 + u;
-          if (FULL || t < n) {
-            dot(krow + t * D, v[u]);
-          } else {
-            for (int g = 0; g < G; ++g) v[u][g] = _mm512_setzero_ps();
-          }
-        }
-        for (int g = 0; g < G; ++g) w[h2][g] = tree1(v[0][g], v[1][g]);
-      }
-      for (int g = 0; g < G; ++g) y[h4][g] = tree2(w[0][g], w[1][g]);
-    }
-    for (int g = 0; g < G; ++g) z[h8][g] = tree3(y[0][g], y[1][g]);
-  }
-  const __m512i order = token_order();
-  for (int g = 0; g < G; ++g) out[g] = _mm512_permutexvar_ps(order, tree4(z[0][g], z[1][g]));
-}
-
-// Software prefetch of the K/V rows kPrefetchBlocks blocks ahead of the one being computed,
-// following the thread's (pair, block) order across pair boundaries. Issued one row per row
-// computed (during the V loop), into L2: with random block placement the hardware prefetchers only
-// see short 2 KB runs.
-constexpr int kPrefetchBlocks = 2;
-#ifndef BATON_PREFETCH_HINT
-#define BATON_PREFETCH_HINT _MM_HINT_T1
-#endif
-
-// Prefetch row r of a block's K and V (kRowBytes each) into L2.
-template <int64_t kRowBytes>
-inline void prefetch_row(const char* k, const char* v, int64_t r) {
-#pragma GCC unroll 8
-  for (int64_t o = 0; o < kRowBytes; o += 64) {
-    _mm_prefetch(k + r * kRowBytes + o, BATON_PREFETCH_HINT);
-    _mm_prefetch(v + r * kRowBytes + o, BATON_PREFETCH_HINT);
-  }
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // Shared pass: QKBF: q.k with vdpbf16ps (T must be bf16); PVBF: P V with vdpbf16ps.
@@ -431,86 +191,6 @@ struct Shared {
   static constexpr int64_t kKChunkBytes = 32 * D * (QKBF ? 2 : 4);
   static constexpr int64_t kVChunkBytes = 32 * D * (PVBF ? 2 : 4);
   using Exp2 = Exp2Poly<PVBF ? 4 : 6>;
-
-  // Pack 32-key chunk c (keys >= ctx are zero) of one (sequence, kv head).
-  static void pack_chunk(const CascadeParams& p, const T* kbase, const T* vbase, const int32_t* bt,
-                         int64_t ctx, int64_t c, uint8_t* kdst, uint8_t* vdst) {
-    const int64_t bs = p.bs;
-    auto krow = [&](int64_t t) { return kbase + bt[t / bs] * p.k_bstride + (t % bs) * D; };
-    auto vrow = [&](int64_t t) { return vbase + bt[t / bs] * p.v_bstride + (t % bs) * D; };
-    const int64_t t0 = 32 * c;
-    if constexpr (QKBF) {
-      uint32_t* kw = reinterpret_cast<uint32_t*>(kdst);
-      for (int h = 0; h < 2; ++h) {
-        uint32_t* grp = kw + h * (D / 2) * 16;
-        for (int i = 0; i < 16; ++i) {
-          const int64_t t = t0 + 16 * h + i;
-          if (t < ctx) {
-            const T* row = krow(t);
-#pragma GCC unroll 8
-            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = load_u32(row + 2 * j);
-          } else {
-            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = 0;
-          }
-        }
-      }
-    } else {
-      float* kf = reinterpret_cast<float*>(kdst);
-      for (int h = 0; h < 2; ++h) {
-        float* grp = kf + h * D * 16;
-        for (int i = 0; i < 16; ++i) {
-          const int64_t t = t0 + 16 * h + i;
-          if (t < ctx) {
-            const T* row = krow(t);
-#pragma GCC unroll 8
-            for (int d = 0; d < D; ++d) grp[d * 16 + i] = to_float(row[d]);
-          } else {
-            for (int d = 0; d < D; ++d) grp[d * 16 + i] = 0.f;
-          }
-        }
-      }
-    }
-    if constexpr (PVBF) {
-      // Key pair u: 16-bit elements 2i / 2i+1 of output vector (u, c') are dim 16c'+i of keys
-      // 2u / 2u+1.
-      __m512i idx[2];
-      alignas(64) int16_t lo[32], hi[32];
-      for (int i = 0; i < 16; ++i) {
-        lo[2 * i] = static_cast<int16_t>(i);
-        lo[2 * i + 1] = static_cast<int16_t>(32 + i);
-        hi[2 * i] = static_cast<int16_t>(16 + i);
-        hi[2 * i + 1] = static_cast<int16_t>(48 + i);
-      }
-      idx[0] = _mm512_load_si512(lo);
-      idx[1] = _mm512_load_si512(hi);
-      __m512i* out = reinterpret_cast<__m512i*>(vdst);
-      for (int u = 0; u < 16; ++u) {
-        const int64_t ta = t0 + 2 * u, tb = ta + 1;
-        const T* a = ta < ctx ? vrow(ta) : nullptr;
-        const T* b = tb < ctx ? vrow(tb) : nullptr;
-#pragma GCC unroll 4
-        for (int h = 0; h < D / 32; ++h) {
-          const __m512i va = a ? _mm512_loadu_si512(a + 32 * h) : _mm512_setzero_si512();
-          const __m512i vb = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
-          out[u * NV + 2 * h] = _mm512_permutex2var_epi16(va, idx[0], vb);
-          out[u * NV + 2 * h + 1] = _mm512_permutex2var_epi16(va, idx[1], vb);
-        }
-      }
-    } else {
-      float* vf = reinterpret_cast<float*>(vdst);
-      for (int i = 0; i < 32; ++i) {
-        const int64_t t = t0 + i;
-        float* dst = vf + i * D;
-        if (t < ctx) {
-          const T* row = vrow(t);
-#pragma GCC unroll 8
-          for (int d = 0; d < D; ++d) dst[d] = to_float(row[d]);
-        } else {
-          for (int d = 0; d < D; ++d) dst[d] = 0.f;
-        }
-      }
-    }
-  }
 
   // R query rows (rows past n_valid repeat the last one and are not stored) against the
   // n_keys packed shared keys; writes each valid row's normalized output and natural-log LSE.
@@ -703,7 +383,8 @@ struct Shared {
       uint8_t* kb = ps.kbuf->data()->bytes;
       uint8_t* vb = ps.vbuf->data()->bytes;
       for (int64_t c = 0; c < n_chunks; ++c)
-        pack_chunk(p, kbase, vbase, bt, n_keys, c, kb + c * kKChunkBytes, vb + c * kVChunkBytes);
+        pack_chunk<T, D, QKBF, PVBF>(p, kbase, vbase, bt, n_keys, c, kb + c * kKChunkBytes,
+                                     vb + c * kVChunkBytes);
     }
   }
 

@@ -19,8 +19,8 @@
 //
 // Decode work is split over (sequence, kv head) pairs of about equal token work, as in
 // paged_attention.cpp; the G query heads of a pair share every K/V row read; the rows of the block
-// kPrefetchBlocks ahead are prefetched into L2 while one block is computed (random block placement
-// defeats the hardware prefetchers).
+// kQuantPrefetchBlocks ahead are prefetched into L2 while one block is computed (random block
+// placement defeats the hardware prefetchers).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +39,8 @@
 #include <immintrin.h>
 #define BATON_KVQ_AVX512 1
 #endif
+
+#include "attention_common.h"
 
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin, const at::Tensor& kv_layer, const at::Tensor& slot_blocks,
@@ -59,12 +61,6 @@ inline float bf16_to_float(uint16_t bits) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return bf16_to_float(x.x); }
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 rounds to nearest even
-
 Fmt fmt_of(at::ScalarType t) {
   if (t == at::kChar) return kInt8;
   if (t == at::kFloat8_e4m3fn) return kE4M3;
@@ -215,30 +211,6 @@ void attend_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<flo
 }
 
 #ifdef BATON_KVQ_AVX512
-// exp for x <= 0 (Cephes expf polynomial, ~1 ulp); -inf and very negative inputs give 0.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-inline __m512 bcast_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
 // 16 codes -> 16 fp32 (times decode_factor for e4m3).
 template <Fmt F>
 inline __m512 decode16(const uint8_t* p) {
@@ -260,26 +232,6 @@ template <Fmt F, int D>
 inline void decode_row(const uint8_t* p, __m512* r) {
 #pragma GCC unroll 8
   for (int c = 0; c < D / 16; ++c) r[c] = decode16<F>(p + 16 * c);
-}
-
-// Transposing reduction tree (as paged_attention.cpp): 16 vectors (one per token) -> one vector of
-// their 16 lane sums, lane 4i+j holding token i+4j until token_order() undoes it.
-inline __m512 tree1(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-inline __m512 tree2(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 tree3(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-inline __m512 tree4(__m512 a, __m512 b) {
-  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-}
-inline __m512i token_order() {
-  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
 // q.k of the G heads for one row: per head a vector whose lane sum is the dot product.
@@ -337,7 +289,7 @@ __attribute__((always_inline)) inline void prefetch_region(const uint8_t* p, int
 
 // How far ahead the decode loops prefetch: at 64 x 4k tokens (int8, 2 threads, Zen 4) 1 block ahead
 // ran the VNNI kernel in 6.1 ms a layer, 2 in 5.6, 3 in 5.9, 4 in 6.0 (medians of 3).
-constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kQuantPrefetchBlocks = 2;
 
 // Block j's K and V rows of one (sequence, kv head) into L2, if the sequence has a block j. Always
 // inlined: a call from the decode loops would spill every live zmm register (all caller-saved).
@@ -383,13 +335,13 @@ void attend_pair_avx512(const Params& p, int64_t b, int64_t kh) {
   const uint8_t* kbase = p.k + kh * p.head_stride;
   const uint8_t* vbase = p.v + kh * p.head_stride;
   const int64_t n_blocks = (len + bs - 1) / bs;
-  for (int64_t j = 1; j < kPrefetchBlocks; ++j)
+  for (int64_t j = 1; j < kQuantPrefetchBlocks; ++j)
     prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j);
   for (int64_t j = 0; j < n_blocks; ++j) {
     const uint8_t* kb = kbase + bt[j] * p.k_bstride;
     const uint8_t* vb = vbase + bt[j] * p.v_bstride;
     const int64_t blen = std::min(bs, len - j * bs);
-    prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j + kPrefetchBlocks);
+    prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j + kQuantPrefetchBlocks);
     for (int64_t t0 = 0; t0 < blen; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
       const uint8_t* kr = kb + t0 * R;
@@ -569,13 +521,13 @@ void attend_pair_vnni(const Params& p, int64_t b, int64_t kh) {
   const uint8_t* kbase = p.k + kh * p.head_stride;
   const uint8_t* vbase = p.v + kh * p.head_stride;
   const int64_t n_blocks = (len + bs - 1) / bs;
-  for (int64_t j = 1; j < kPrefetchBlocks; ++j)
+  for (int64_t j = 1; j < kQuantPrefetchBlocks; ++j)
     prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j);
   for (int64_t j = 0; j < n_blocks; ++j) {
     const uint8_t* kb = kbase + bt[j] * p.k_bstride;
     const uint8_t* vb = vbase + bt[j] * p.v_bstride;
     const int64_t blen = std::min(bs, len - j * bs);
-    prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j + kPrefetchBlocks);
+    prefetch_block(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, R, len, j + kQuantPrefetchBlocks);
     for (int64_t t0 = 0; t0 < blen; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
       const bool full = n == 16;

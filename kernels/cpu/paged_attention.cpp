@@ -35,6 +35,8 @@
 #define BATON_AVX512 1
 #endif
 
+#include "attention_common.h"
+
 namespace {
 
 struct Params {
@@ -52,18 +54,6 @@ struct Params {
   const int32_t* lens;
   float scale;
 };
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 / Half round to nearest even
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: any G and D, one token at a time.
@@ -114,190 +104,6 @@ void attend_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<flo
 #ifdef BATON_AVX512
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path.
-
-// exp for x <= 0 (Cephes expf polynomial, ~1 ulp); -inf and very negative inputs give 0.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-// Row loaders: D elements of a row as D/16 fp32 vectors, in an order given by dim().
-template <typename T, int D>
-struct Row;
-
-template <int D>
-struct Row<float, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const float* p, __m512* r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(p + 16 * c);
-  }
-  static inline int dim(int c, int i) { return 16 * c + i; }
-};
-
-// bf16: each 32-element chunk becomes (even elements, odd elements).
-template <int D>
-struct Row<c10::BFloat16, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const c10::BFloat16* p, __m512* r) {
-    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-#pragma GCC unroll 8
-    for (int c = 0; c < NV / 2; ++c) {
-      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p + 32 * c));
-      r[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      r[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
-    }
-  }
-  static inline int dim(int c, int i) { return 32 * (c / 2) + 2 * i + (c % 2); }
-};
-
-template <int D>
-struct Row<c10::Half, D> {
-  static constexpr int NV = D / 16;
-  static inline void load(const c10::Half* p, __m512* r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c)
-      r[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c)));
-  }
-  static inline int dim(int c, int i) { return 16 * c + i; }
-};
-
-// Transposing reduction tree: 16 vectors (one per token) -> one vector of their 16 lane sums.
-// After the four levels lane 4i+j holds token i+4j; kTokenOrder undoes that.
-inline __m512 tree1(__m512 a, __m512 b) {  // [a0+a2, a1+a3, b0+b2, b1+b3] (128-bit chunks)
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-inline __m512 tree2(__m512 a, __m512 b) {  // chunk c: the 4 partial sums of vector c
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 tree3(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-inline __m512 tree4(__m512 a, __m512 b) {
-  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-}
-// Max over the 16 lanes, broadcast to every lane.
-inline __m512 bcast_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
-inline __m512i token_order() {
-  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-}
-
-// q.k for the G heads of one token: per head a 16-lane vector whose lane sum is the dot product.
-template <typename T, int G, int D>
-struct Dot {
-  __m512 q[G][D / 16];
-  inline void init(const T* qp, int64_t hstride) {
-    for (int g = 0; g < G; ++g) Row<T, D>::load(qp + g * hstride, q[g]);
-  }
-  inline void operator()(const T* krow, __m512* s) const {
-    constexpr int NV = D / 16;
-    __m512 k[NV];
-    Row<T, D>::load(krow, k);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(q[g][0], k[0]);
-#pragma GCC unroll 8
-      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(q[g][c], k[c], a);
-      s[g] = a;
-    }
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <int G, int D>
-struct Dot<c10::BFloat16, G, D> {
-  static constexpr int NC = D / 32;
-  __m512bh q[G][NC];
-  inline void init(const c10::BFloat16* qp, int64_t hstride) {
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NC; ++c)
-        q[g][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qp + g * hstride + 32 * c));
-  }
-  inline void operator()(const c10::BFloat16* krow, __m512* s) const {
-    __m512bh k[NC];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c)
-      k[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(krow + 32 * c));
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
-#pragma GCC unroll 8
-      for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, q[g][c], k[c]);
-      s[g] = a;
-    }
-  }
-};
-#endif
-
-// Raw scores (before scale) of up to 16 consecutive rows; rows >= n are not read and give 0.
-template <typename T, int G, int D, bool FULL>
-inline void scores16(const Dot<T, G, D>& dot, const T* krow, int n, __m512* out) {
-  __m512 z[2][G];
-#pragma GCC unroll 2
-  for (int h8 = 0; h8 < 2; ++h8) {
-    __m512 y[2][G];
-#pragma GCC unroll 2
-    for (int h4 = 0; h4 < 2; ++h4) {
-      __m512 w[2][G];
-#pragma GCC unroll 2
-      for (int h2 = 0; h2 < 2; ++h2) {
-        __m512 v[2][G];
-#pragma GCC unroll 2
-        for (int u = 0; u < 2; ++u) {
-          const int t = 8 * h8 + 4 * h4 + 2 * h2 + u;
-          if (FULL || t < n) {
-            dot(krow + t * D, v[u]);
-          } else {
-            for (int g = 0; g < G; ++g) v[u][g] = _mm512_setzero_ps();
-          }
-        }
-        for (int g = 0; g < G; ++g) w[h2][g] = tree1(v[0][g], v[1][g]);
-      }
-      for (int g = 0; g < G; ++g) y[h4][g] = tree2(w[0][g], w[1][g]);
-    }
-    for (int g = 0; g < G; ++g) z[h8][g] = tree3(y[0][g], y[1][g]);
-  }
-  const __m512i order = token_order();
-  for (int g = 0; g < G; ++g) out[g] = _mm512_permutexvar_ps(order, tree4(z[0][g], z[1][g]));
-}
-
-// Software prefetch of the K/V rows kPrefetchBlocks blocks ahead of the one being computed,
-// following the thread's (pair, block) order across pair boundaries. Issued one row per row
-// computed (during the V loop), into L2: with random block placement the hardware prefetchers only
-// see short 2 KB runs.
-constexpr int kPrefetchBlocks = 2;
-#ifndef BATON_PREFETCH_HINT
-#define BATON_PREFETCH_HINT _MM_HINT_T1
-#endif
-
-// Prefetch row r of a block's K and V (kRowBytes each) into L2.
-template <int64_t kRowBytes>
-inline void prefetch_row(const char* k, const char* v, int64_t r) {
-#pragma GCC unroll 8
-  for (int64_t o = 0; o < kRowBytes; o += 64) {
-    _mm_prefetch(k + r * kRowBytes + o, BATON_PREFETCH_HINT);
-    _mm_prefetch(v + r * kRowBytes + o, BATON_PREFETCH_HINT);
-  }
-}
 
 // Walks the (pair, block) sequence of a thread's range, kPrefetchBlocks ahead of the computation.
 struct PrefetchCursor {

@@ -57,6 +57,8 @@
 #define BATON_PREFILL_AVX512 1
 #endif
 
+#include "attention_common.h"
+
 namespace {
 
 constexpr int64_t kMaxTile = 32;  // query positions per work item
@@ -82,18 +84,6 @@ struct PrefillParams {
 struct Item {
   int64_t s, kh, i0, i1;  // query indices i0..i1-1 among sequence s's new tokens, kv head kh
 };
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 / Half: round to nearest even
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: one query row at a time, one key at a time.
@@ -143,9 +133,6 @@ void item_generic(const PrefillParams& p, const Item& it, std::vector<float>& sc
 
 // K/V of the (sequence, kv head) a thread is working on, packed up to `chunks` 32-key chunks.
 // The buffers are thread-local and keep their capacity across calls; the pair is reset per call.
-struct alignas(64) CacheLine {
-  uint8_t bytes[64];
-};
 struct PackState {
   int64_t s = -1, kh = -1, chunks = 0;
   std::vector<CacheLine>* kbuf;  // 64-byte aligned storage (C++17 aligned new)
@@ -155,59 +142,6 @@ struct PackState {
 #ifdef BATON_PREFILL_AVX512
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path.
-
-// 2^x for x <= kSlack (a few units above 0 at most): x = n + f with n an integer and
-// |f| <= 1/2, 2^f by a minimax polynomial of degree DEG (relative error 2.7e-6 for degree 4,
-// 1e-7 for degree 6), times 2^n by vscalefps (so very negative x give 0). MASKED: lanes outside k
-// are zero (they may be -inf or NaN in x).
-template <int DEG>
-struct Exp2Poly {
-  template <bool MASKED>
-  static inline __m512 eval(__mmask16 k, __m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 y;
-    if constexpr (DEG == 4) {
-      y = _mm512_set1_ps(0.009570043534040451f);
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05591786280274391f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.2402474582195282f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931217908859253f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.9999992847442627f));
-    } else {
-      static_assert(DEG == 6, "degree 4 or 6");
-      y = _mm512_set1_ps(0.0001534576149424538f);
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.0013399932067841291f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.009618489071726799f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05550328642129898f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24022646248340607f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931471824645996f));
-      y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-    }
-    if constexpr (MASKED) return _mm512_maskz_scalef_ps(k, y, n);
-    return _mm512_scalef_ps(y, n);
-  }
-};
-
-// Max over the 16 lanes, broadcast to every lane.
-inline __m512 bcast_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
-// Keys 0..n-1 of a 16-key group valid (n may be <= 0 or >= 16).
-inline __mmask16 prefix_mask(int64_t n) {
-  if (n >= 16) return static_cast<__mmask16>(0xFFFF);
-  if (n <= 0) return 0;
-  return static_cast<__mmask16>((1u << n) - 1u);
-}
-
-inline uint32_t load_u32(const void* p) {
-  uint32_t x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
 
 // QKBF: q.k with vdpbf16ps (T must be bf16); PVBF: P V with vdpbf16ps.
 template <typename T, int D, bool QKBF, bool PVBF>
@@ -220,86 +154,6 @@ struct Prefill {
   static constexpr int64_t kVChunkBytes = 32 * D * (PVBF ? 2 : 4);
   // Probabilities rounded to bf16 need far less than fp32 accuracy.
   using Exp2 = Exp2Poly<PVBF ? 4 : 6>;
-
-  // Pack 32-key chunk c (keys >= ctx are zero) of one (sequence, kv head).
-  static void pack_chunk(const PrefillParams& p, const T* kbase, const T* vbase, const int32_t* bt,
-                         int64_t ctx, int64_t c, uint8_t* kdst, uint8_t* vdst) {
-    const int64_t bs = p.bs;
-    auto krow = [&](int64_t t) { return kbase + bt[t / bs] * p.k_bstride + (t % bs) * D; };
-    auto vrow = [&](int64_t t) { return vbase + bt[t / bs] * p.v_bstride + (t % bs) * D; };
-    const int64_t t0 = 32 * c;
-    if constexpr (QKBF) {
-      uint32_t* kw = reinterpret_cast<uint32_t*>(kdst);
-      for (int h = 0; h < 2; ++h) {
-        uint32_t* grp = kw + h * (D / 2) * 16;
-        for (int i = 0; i < 16; ++i) {
-          const int64_t t = t0 + 16 * h + i;
-          if (t < ctx) {
-            const T* row = krow(t);
-#pragma GCC unroll 8
-            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = load_u32(row + 2 * j);
-          } else {
-            for (int j = 0; j < D / 2; ++j) grp[j * 16 + i] = 0;
-          }
-        }
-      }
-    } else {
-      float* kf = reinterpret_cast<float*>(kdst);
-      for (int h = 0; h < 2; ++h) {
-        float* grp = kf + h * D * 16;
-        for (int i = 0; i < 16; ++i) {
-          const int64_t t = t0 + 16 * h + i;
-          if (t < ctx) {
-            const T* row = krow(t);
-#pragma GCC unroll 8
-            for (int d = 0; d < D; ++d) grp[d * 16 + i] = to_float(row[d]);
-          } else {
-            for (int d = 0; d < D; ++d) grp[d * 16 + i] = 0.f;
-          }
-        }
-      }
-    }
-    if constexpr (PVBF) {
-      // Key pair u: 16-bit elements 2i / 2i+1 of output vector (u, c') are dim 16c'+i of keys
-      // 2u / 2u+1.
-      __m512i idx[2];
-      alignas(64) int16_t lo[32], hi[32];
-      for (int i = 0; i < 16; ++i) {
-        lo[2 * i] = static_cast<int16_t>(i);
-        lo[2 * i + 1] = static_cast<int16_t>(32 + i);
-        hi[2 * i] = static_cast<int16_t>(16 + i);
-        hi[2 * i + 1] = static_cast<int16_t>(48 + i);
-      }
-      idx[0] = _mm512_load_si512(lo);
-      idx[1] = _mm512_load_si512(hi);
-      __m512i* out = reinterpret_cast<__m512i*>(vdst);
-      for (int u = 0; u < 16; ++u) {
-        const int64_t ta = t0 + 2 * u, tb = ta + 1;
-        const T* a = ta < ctx ? vrow(ta) : nullptr;
-        const T* b = tb < ctx ? vrow(tb) : nullptr;
-#pragma GCC unroll 4
-        for (int h = 0; h < D / 32; ++h) {
-          const __m512i va = a ? _mm512_loadu_si512(a + 32 * h) : _mm512_setzero_si512();
-          const __m512i vb = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
-          out[u * NV + 2 * h] = _mm512_permutex2var_epi16(va, idx[0], vb);
-          out[u * NV + 2 * h + 1] = _mm512_permutex2var_epi16(va, idx[1], vb);
-        }
-      }
-    } else {
-      float* vf = reinterpret_cast<float*>(vdst);
-      for (int i = 0; i < 32; ++i) {
-        const int64_t t = t0 + i;
-        float* dst = vf + i * D;
-        if (t < ctx) {
-          const T* row = vrow(t);
-#pragma GCC unroll 8
-          for (int d = 0; d < D; ++d) dst[d] = to_float(row[d]);
-        } else {
-          for (int d = 0; d < D; ++d) dst[d] = 0.f;
-        }
-      }
-    }
-  }
 
   // R query rows (pos: their positions; rows past n_valid repeat the last one and are not
   // stored) against the packed keys 0..max(pos).
@@ -520,7 +374,8 @@ struct Prefill {
       uint8_t* kb = ps.kbuf->data()->bytes;
       uint8_t* vb = ps.vbuf->data()->bytes;
       for (int64_t c = ps.chunks; c < need; ++c)
-        pack_chunk(p, kbase, vbase, bt, ctx, c, kb + c * kKChunkBytes, vb + c * kVChunkBytes);
+        pack_chunk<T, D, QKBF, PVBF>(p, kbase, vbase, bt, ctx, c, kb + c * kKChunkBytes,
+                                     vb + c * kVChunkBytes);
       ps.chunks = need;
     }
     const uint8_t* kb = ps.kbuf->data()->bytes;
