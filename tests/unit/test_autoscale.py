@@ -19,7 +19,7 @@ SLO_ = SLO(ttft_ms=500, tpot_ms=50)
 INTERVAL = 10.0
 
 
-def _profile() -> Profile:
+def decode_heavy_profile() -> Profile:
     """Prefill is cheap and decode dear at 256 -> 128 tokens: ~73 req/s a prefill replica, ~3.8 req/s
     a decode replica within a 50 ms TPOT."""
     return Profile(
@@ -64,7 +64,7 @@ def _settle(a: Autoscaler, rate: float, ready: dict[str, int], intervals: int = 
 
 
 def test_a_2x_step_is_acted_on_in_the_interval_that_shows_it():
-    a = Autoscaler(_profile(), SLO_, colocated=False)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
     before, t = _settle(a, 6.0, {"prefill": 1, "decode": 3})
     assert before.desired == {"prefill": 1, "decode": 3}
     step = a.decide(_obs(t + INTERVAL, 12.0, before.desired))
@@ -82,9 +82,9 @@ def _naive() -> AutoscaleConfig:
 def test_constant_noisy_load_makes_at_most_one_reversal_in_ten_minutes():
     runs = {}
     for name, cfg in (("hysteresis", AutoscaleConfig()), ("naive", _naive())):
-        a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+        a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
         runs[name] = run_autoscaled(
-            a, _profile(), SLO_, [12.0] * 60, 256, 128, {"prefill": 1, "decode": 4}, seed=2
+            a, decode_heavy_profile(), SLO_, [12.0] * 60, 256, 128, {"prefill": 1, "decode": 4}, seed=2
         )
     steady = runs["hysteresis"]
     assert steady.reversals("decode") <= 1 and steady.reversals("prefill") == 0
@@ -94,14 +94,14 @@ def test_constant_noisy_load_makes_at_most_one_reversal_in_ten_minutes():
 
 
 def test_a_burst_with_a_growing_queue_scales_before_the_rate_estimate_catches_up():
-    a = Autoscaler(_profile(), SLO_, colocated=False)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
     before, t = _settle(a, 6.0, {"prefill": 1, "decode": 3})
     # The burst landed in the queue: the arrivals counted this interval barely moved.
     d = a.decide(_obs(t + INTERVAL, 6.5, before.desired, waiting={"decode": 150}, ttft=30_000))
     assert d.desired["decode"] >= 3 + 4  # 150 requests to drain within 10 s at ~3 req/s a replica
     assert "backlog of 150 requests" in str(d.pools["decode"])
     # Without the queue the same rate asks for nothing more.
-    b = Autoscaler(_profile(), SLO_, colocated=False)
+    b = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
     same, t = _settle(b, 6.0, {"prefill": 1, "decode": 3})
     assert b.decide(_obs(t + INTERVAL, 6.5, same.desired)).desired["decode"] == 3
 
@@ -112,7 +112,7 @@ def _inflated(a: Autoscaler, ready, starting, t):
 
 
 def test_cold_start_samples_do_not_correct_the_profile_nor_over_scale():
-    a = Autoscaler(_profile(), SLO_, colocated=False)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
     settled, t = _settle(a, 6.0, {"prefill": 1, "decode": 3}, intervals=6)
     # A replica is starting: its pool's slow first requests are in this interval's p90.
     d = _inflated(a, settled.desired, {"decode": 1}, t + INTERVAL)
@@ -124,7 +124,7 @@ def test_cold_start_samples_do_not_correct_the_profile_nor_over_scale():
     assert a.correction == (1.0, 1.0) and "warming up" in str(d)
     assert d.desired["decode"] <= 4
     # The same samples in steady state do correct it (the check above can fail).
-    b = Autoscaler(_profile(), SLO_, colocated=False)
+    b = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
     settled, t = _settle(b, 6.0, {"prefill": 1, "decode": 3}, intervals=6)
     _inflated(b, settled.desired, {}, t + INTERVAL)
     assert b.correction[0] > 1.5 and b.correction[1] > 1.5
@@ -132,7 +132,7 @@ def test_cold_start_samples_do_not_correct_the_profile_nor_over_scale():
 
 def test_scale_down_waits_for_the_stable_window_and_the_cooldown():
     cfg = AutoscaleConfig(stable_intervals=3, cooldown_s=60.0)
-    a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
     high, t = _settle(a, 12.0, {"prefill": 1, "decode": 4})
     ready = high.desired
     history = []
@@ -146,7 +146,7 @@ def test_scale_down_waits_for_the_stable_window_and_the_cooldown():
     assert history[2] < high.desired["decode"]
     assert min(history) >= 2
     # Nothing scales down while a replica is starting.
-    b = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    b = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
     high, t = _settle(b, 12.0, {"prefill": 1, "decode": 4})
     for _ in range(5):
         t += INTERVAL
@@ -156,7 +156,7 @@ def test_scale_down_waits_for_the_stable_window_and_the_cooldown():
 
 def test_bounds_hold_both_ways():
     cfg = AutoscaleConfig(bounds={"decode": (2, 3), "prefill": (1, 1)}, stable_intervals=1, cooldown_s=0)
-    a = Autoscaler(_profile(), SLO_, colocated=False, config=cfg)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
     d = a.decide(_obs(10.0, 40.0, {"prefill": 1, "decode": 2}))
     assert d.desired == {"prefill": 1, "decode": 3}
     assert "bounds [2, 3]" in str(d.pools["decode"])
@@ -166,7 +166,7 @@ def test_bounds_hold_both_ways():
         d = a.decide(_obs(t, 0.0, d.desired))
     assert d.desired == {"prefill": 1, "decode": 2}
     # Colocated is one pool, bounded the same way.
-    c = Autoscaler(_profile(), SLO_, colocated=True, config=AutoscaleConfig(max_replicas=2))
+    c = Autoscaler(decode_heavy_profile(), SLO_, colocated=True, config=AutoscaleConfig(max_replicas=2))
     assert c.decide(_obs(10.0, 40.0, {"colocated": 1})).desired == {"colocated": 2}
 
 
@@ -178,7 +178,7 @@ def test_bounds_hold_both_ways():
 def test_the_mix_decides_which_pool_grows(mix, grows, stays):
     inp, out = mix
     slo = SLO(ttft_ms=2000, tpot_ms=50)
-    a = Autoscaler(_profile(), slo, colocated=False)
+    a = Autoscaler(decode_heavy_profile(), slo, colocated=False)
     d = a.decide(_obs(10.0, 8.0, {"prefill": 1, "decode": 1}, inp=inp, out=out))
     assert d.desired[grows] >= 3
     assert d.desired[stays] == 1
@@ -190,10 +190,10 @@ def test_autoscaled_simulation_keeps_a_2x_step_within_the_bar():
     rates = [7.0] * 12 + [14.0] * 18  # 3 decode replicas serve 7 req/s, not 14
     results = {}
     for name, c in (("autoscaled", cfg), ("fixed", dataclasses.replace(cfg, max_replicas=3))):
-        a = Autoscaler(_profile(), SLO_, colocated=False, config=c)
+        a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=c)
         n = len(rates) if name == "autoscaled" else 20
         results[name] = run_autoscaled(
-            a, _profile(), SLO_, rates[:n], 256, 128, {"prefill": 1, "decode": 3}, seed=1
+            a, decode_heavy_profile(), SLO_, rates[:n], 256, 128, {"prefill": 1, "decode": 3}, seed=1
         )
     run = results["autoscaled"]
     bar = (cfg.cold_start_s + INTERVAL) * 14.0
@@ -207,10 +207,13 @@ def test_autoscaled_simulation_keeps_a_2x_step_within_the_bar():
 
 
 def test_capacity_says_when_no_count_meets_the_slo():
-    cap = capacity(_profile(), 256, 128, SLO(ttft_ms=500, tpot_ms=5))
+    cap = capacity(decode_heavy_profile(), 256, 128, SLO(ttft_ms=500, tpot_ms=5))
     assert cap.decode == 0 and "TPOT" in cap.why_not
     a = Autoscaler(
-        _profile(), SLO(ttft_ms=500, tpot_ms=5), colocated=False, config=AutoscaleConfig(max_replicas=4)
+        decode_heavy_profile(),
+        SLO(ttft_ms=500, tpot_ms=5),
+        colocated=False,
+        config=AutoscaleConfig(max_replicas=4),
     )
     d = a.decide(_obs(10.0, 2.0, {"prefill": 1, "decode": 1}))
     assert d.desired == {"prefill": 4, "decode": 4}
