@@ -22,6 +22,7 @@ from baton.kernels import kv_cache_dtypes
 from baton.planner.cli import add_simulate_parser
 from baton.planner.plan_cli import add_plan_parser
 from baton.services import cluster_auth
+from baton.services.autoscaler import add_autoscaler_parser
 
 
 def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
@@ -778,6 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)  # baton simulate (planner/cli.py)
     add_plan_parser(sub)  # baton plan (planner/plan_cli.py)
+    add_autoscaler_parser(sub)  # baton autoscaler (services/autoscaler.py)
 
     g = sub.add_parser("generate", help="generate offline with the engine")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
