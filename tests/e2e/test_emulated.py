@@ -261,3 +261,22 @@ def test_baton_up_emulate_needs_the_layout_given(tmp_path, capsys):
     PROFILE.save(path)
     assert main(["up", "--emulate", str(path), "--decode", "2"]) == 2
     assert "--emulate needs --prefill" in capsys.readouterr().err
+
+
+def test_an_emulated_transfer_lasts_the_profiles_time_from_its_first_send():
+    """``hold_transfer`` waits what the profile's transfer model leaves after the real (tiny) sends:
+    all of it for a transfer that just started, nothing for one already longer than the model."""
+    import asyncio
+
+    from baton.services.emulated import hold_transfer
+
+    model = PROFILE.transfer["ucx"]  # 5 + 0.01 ms a token: 205 ms for 20,000 tokens
+
+    def held(started_ago_s: float, transfer=model) -> float:
+        start = time.monotonic()
+        asyncio.run(hold_transfer(transfer, 20_000, start - started_ago_s))
+        return time.monotonic() - start
+
+    assert held(0.0) >= 0.2
+    assert held(10.0) < 0.2
+    assert held(0.0, transfer=None) < 0.2  # a real worker: no model, no wait
