@@ -110,6 +110,8 @@ def create_emulated_engine(config: EngineConfig) -> LLMEngine:
     special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
     first = min(max(special, default=-1) + 1, real.vocab_size - 1)
     vocab = FakeVocab(first, real.vocab_size, frozenset(eos))
+    # The engine built a ModelRunner over the stand-in model; this one takes its place (the same
+    # interface: execute, warm_up, grammars), so that everything around the forward pass is real.
     engine.runner = EmulatedModelRunner(step_costs(profile), vocab)
     log.warning(
         "EMULATED engine: no model runs; each step sleeps the time %s predicts (%s, taken %s on %s);"
