@@ -23,11 +23,11 @@ differently and needs its own profile.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from baton.planner.baseline import ClosedForm, closed_form
 from baton.planner.layout import Layout
 from baton.planner.profile import Profile
 from baton.planner.sim_result import SLO, SimResult
@@ -39,8 +39,6 @@ CHUNKS = (256, 512, 1024, 2048, 4096, 8192)
 """Chunk sizes tried, where the profile measured prefill steps at least that large."""
 RATE_STEPS = 8
 """Halvings of the binary search on rate (the highest rate found is within rate / 2^8 below)."""
-MAX_GOODPUT_FINALISTS = 3
-"""Layouts at the budget whose highest rate is searched when the asked rate cannot be met."""
 
 
 @dataclass(frozen=True)
@@ -97,18 +95,9 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
-class Baseline:
-    """The closed-form rule: replicas = load / a worker's profiled throughput."""
+class Baseline(ClosedForm):
+    """The closed-form rule's layouts, and the simulator's verdict on each."""
 
-    prefill_tok_s: float
-    """One prefill worker's prompt tokens per second, its steps full of mean-length prompts."""
-    decode_tok_s: float
-    """One decode worker's output tokens per second at ``decode_batch``."""
-    decode_batch: int
-    """The largest batch whose step meets the TPOT SLO (within max_num_seqs and the KV cache)."""
-    prefill: int
-    decode: int
-    colocated: int
     disaggregated_eval: Evaluation
     colocated_eval: Evaluation
 
@@ -258,20 +247,22 @@ def _rank(profile_chunk: int) -> Callable[[Evaluation], tuple]:
     return lambda e: (e.workers, -e.goodput_per_worker, e.chunk != profile_chunk, e.layout.prefill)
 
 
-def max_rate(search: Search, layout: Layout, chunk: int) -> tuple[float, Evaluation]:
-    """The highest rate (below the asked one) ``layout`` serves at the target, by bisection, and
-    its evaluation there (at rate 0 nothing is simulated: the lowest tried rate's is returned)."""
-    lo, hi = 0.0, search.rate
-    last = search.run(layout, chunk, hi / 2**RATE_STEPS)
-    best = None
-    for _ in range(RATE_STEPS):
-        mid = (lo + hi) / 2
-        e = search.run(layout, chunk, mid)
+def max_rate(search: Search, layout: Layout, chunk: int, above: float = 0.0) -> Evaluation:
+    """``layout`` at the highest rate it serves at the target, found by bisection between
+    ``above`` and the asked rate (to ``rate / 2^RATE_STEPS``); when it misses the target just above
+    ``above`` already, that evaluation (it cannot beat a layout serving ``above``)."""
+    step = search.rate / 2**RATE_STEPS
+    lo, hi = above + step, search.rate
+    best = search.run(layout, chunk, lo)
+    if not search.meets(best):
+        return best
+    while hi - lo > step:
+        e = search.run(layout, chunk, (lo + hi) / 2)
         if search.meets(e):
-            lo, best = mid, e
+            lo, best = e.rate, e
         else:
-            hi = mid
-    return lo, best or last
+            hi = e.rate
+    return best
 
 
 def plan(
@@ -300,11 +291,11 @@ def plan(
         meeting += ([colocated] if colocated else []) + staircase(search, chunk, cap)
     own = profile.engine.max_num_batched_tokens
     notes = [chunk_note, _parallel_note(profile), f"at most {cap} workers ({bound})"]
-    rate_found, rates = None, {}
+    lost: list[Evaluation] = []
     if meeting:
         chosen = min(meeting, key=_rank(own))
     else:
-        chosen, rate_found, rates = _best_at_budget(search, chunks, cap, own)
+        chosen, lost = _best_at_budget(search, chunks, cap, own)
     return Plan(
         chosen=chosen,
         met=bool(meeting),
@@ -313,8 +304,8 @@ def plan(
         slo=slo,
         budget_workers=cap,
         budget_bound=bound,
-        max_rate=rate_found,
-        runners_up=runners_up(search, chosen, rates),
+        max_rate=None if meeting else (chosen.rate if search.meets(chosen) else 0.0),
+        runners_up=runners_up(search, chosen, lost) if lost else runners_up(search, chosen),
         baseline=baseline(search, chosen.chunk),
         chunks=chunks,
         notes=notes,
@@ -325,17 +316,28 @@ def plan(
 
 def _best_at_budget(
     search: Search, chunks: tuple[int, ...], cap: int, own: int
-) -> tuple[Evaluation, float, dict[tuple[str, int], float]]:
-    """Nothing meets the rate: of the layouts of ``cap`` workers, the few with the highest
-    attainment at the asked rate are searched for their highest rate; the highest wins. Returns
-    it (evaluated at that rate), the rate, and each finalist's (layout, chunk) -> rate."""
+) -> tuple[Evaluation, list[Evaluation]]:
+    """Nothing meets the rate: the layout of ``cap`` workers with the highest rate that meets the
+    target (DistServe's goodput), evaluated at that rate, and the others as they lost: at their
+    own highest rate, or missing the target just above the best found before them. Each layout
+    at each chunk is tried, the most promising (highest attainment at the asked rate) first, so
+    that most are dismissed by one simulation."""
     full = [Layout(0, cap, True)] + [Layout(p, cap - p, False) for p in range(1, cap)]
     at_cap = [search.run(layout, chunk) for chunk in chunks for layout in full]
     at_cap.sort(key=lambda e: (-e.attainment, e.chunk != own, e.layout.prefill))
-    distinct = list({str(e.layout): e for e in reversed(at_cap)}.values())[::-1]  # each at its best chunk
-    finalists = [(max_rate(search, e.layout, e.chunk), e) for e in distinct[:MAX_GOODPUT_FINALISTS]]
-    (rate, at_best), _ = max(finalists, key=lambda f: (f[0][0], f[0][1].result.goodput_req_s))
-    return at_best, rate, {(str(e.layout), e.chunk): r for (r, _), e in finalists}
+    best: Evaluation | None = None
+    lost: list[Evaluation] = []
+    for e in at_cap:
+        got = max_rate(search, e.layout, e.chunk, best.rate if best else 0.0)
+        if search.meets(got):
+            lost += [best] if best else []
+            best = got
+        else:
+            lost.append(got)
+    if best is None:  # not even the lowest rate tried meets it
+        best = max(lost, key=lambda e: e.attainment)
+        lost.remove(best)
+    return best, lost
 
 
 def _parallel_note(profile: Profile) -> str:
@@ -346,59 +348,14 @@ def _parallel_note(profile: Profile) -> str:
     )
 
 
-def decode_batch(profile: Profile, context: float, tpot_ms: float) -> int:
-    """The largest batch whose decode step takes at most ``tpot_ms`` at ``context`` tokens a
-    sequence, within ``max_num_seqs`` and the KV cache (at least 1)."""
-    e = profile.engine
-    most = max(1, min(e.max_num_seqs, int(e.kv_capacity_tokens // max(context, 1.0))))
-    best = 1
-    for b in range(1, most + 1):
-        if profile.decode_ms(b, int(b * context)) <= tpot_ms:
-            best = b
-    return best
-
-
-def prefill_ms_per_prompt(profile: Profile, tokens: int, chunk: int) -> float:
-    """A prompt's share of prefill time: steps full of ``tokens``-long prompts, or its own chunks
-    one after another when it is longer than ``chunk``."""
-    tokens = max(1, tokens)
-    if tokens <= chunk:
-        k = chunk // tokens
-        return profile.prefill_ms([(tokens, 0)] * k) / k
-    done, total = 0, 0.0
-    while done < tokens:
-        t = min(chunk, tokens - done)
-        total += profile.prefill_ms([(t, done)])
-        done += t
-    return total
-
-
-def _replicas(load: float) -> int:
-    """Workers for ``load`` worker-loads: rounded up, but not for float dust (6.000000001 is 6)."""
-    return max(1, math.ceil(load - 1e-9))
-
-
 def baseline(search: Search, chunk: int) -> Baseline:
     """The closed-form rule at the asked rate, and the simulator's verdict on its layouts."""
-    profile, rate = search.profile, search.rate
     mean_in, mean_out = mean_lengths(search.workload)
-    pre_ms = prefill_ms_per_prompt(profile, round(mean_in), chunk)
-    prefill_tok_s = mean_in / pre_ms * 1000.0 if pre_ms > 0 else math.inf
-    batch = decode_batch(profile, mean_in + mean_out / 2, search.slo.tpot_ms)
-    step = profile.decode_ms(batch, int(batch * (mean_in + mean_out / 2)))
-    decode_tok_s = batch / step * 1000.0 if step > 0 else math.inf
-    p = _replicas(rate * mean_in / prefill_tok_s)
-    d = _replicas(rate * mean_out / decode_tok_s)
-    c = _replicas(rate * (mean_in / prefill_tok_s + mean_out / decode_tok_s))
+    rule = closed_form(search.profile, search.rate, mean_in, mean_out, search.slo.tpot_ms, chunk)
     return Baseline(
-        prefill_tok_s,
-        decode_tok_s,
-        batch,
-        p,
-        d,
-        c,
-        search.run(Layout(p, d, False), chunk),
-        search.run(Layout(0, c, True), chunk),
+        *(getattr(rule, f.name) for f in dataclasses.fields(ClosedForm)),
+        disaggregated_eval=search.run(Layout(rule.prefill, rule.decode, False), chunk),
+        colocated_eval=search.run(Layout(0, rule.colocated, True), chunk),
     )
 
 
@@ -408,33 +365,30 @@ SATURATED = 0.9
 
 
 def runners_up(
-    search: Search, chosen: Evaluation, rates: dict[tuple[str, int], float]
+    search: Search, chosen: Evaluation, lost: list[Evaluation] | None = None
 ) -> list[tuple[Evaluation, str]]:
-    """Up to ``RUNNERS_UP`` other layouts at the asked rate, each with why it lost: with a choice
-    that meets the rate, its neighbours with one worker fewer first (they show it minimal), then
-    the other layouts that meet it, then the nearest misses; else the finalists of the search on
-    rate first."""
-    picked: list[Evaluation] = []
-    if not rates:
-        picked += [search.run(n, chosen.chunk) for n in _one_fewer(chosen.layout)]
-    rest = sorted(search.at_asked_rate(), key=lambda e: _nearest(search, e, chosen, rates))
+    """Up to ``RUNNERS_UP`` other layouts, each with why it lost. A choice that meets the rate:
+    its neighbours with one worker fewer first (they show it minimal), then the other layouts that
+    meet it (fewest workers, most goodput per worker), then the nearest misses, each layout at its
+    best chunk. Else ``lost``, the layouts of the search on rate: highest rate first."""
+    if lost is not None:
+        ranked = sorted(lost, key=lambda e: (not search.meets(e), -e.rate, -e.attainment))
+    else:
+        ranked = [search.run(n, chosen.chunk) for n in _one_fewer(chosen.layout)]
+        ranked += sorted(search.at_asked_rate(), key=lambda e: _nearest(search, e, chosen))
     out: list[tuple[Evaluation, str]] = []
     seen = {str(chosen.layout)}
-    for e in picked + rest:  # each layout once, at its best chunk
+    for e in ranked:
         if str(e.layout) not in seen:
             seen.add(str(e.layout))
-            out.append((e, _why_lost(search, e, chosen, rates)))
+            out.append((e, _why_lost(search, e, chosen, lost is not None)))
     return out[:RUNNERS_UP]
 
 
-def _nearest(search: Search, e: Evaluation, chosen: Evaluation, rates: dict) -> tuple:
-    """Finalists of the rate search first, then layouts that meet the rate (fewest workers,
-    most goodput per worker), then misses (highest attainment); the choice's chunk first."""
-    if (str(e.layout), e.chunk) in rates:
-        return (0, -rates[(str(e.layout), e.chunk)], 0.0, 0)
+def _nearest(search: Search, e: Evaluation, chosen: Evaluation) -> tuple:
     if search.meets(e):
-        return (1, e.workers, -e.goodput_per_worker, e.chunk != chosen.chunk)
-    return (2, -e.attainment, 0.0, e.chunk != chosen.chunk)
+        return (0, e.workers, -e.goodput_per_worker, e.chunk != chosen.chunk)
+    return (1, -e.attainment, 0.0, e.chunk != chosen.chunk)
 
 
 def _one_fewer(layout: Layout) -> list[Layout]:
@@ -444,11 +398,12 @@ def _one_fewer(layout: Layout) -> list[Layout]:
     return fewer + ([Layout(layout.prefill, layout.decode - 1, False)] if layout.decode > 1 else [])
 
 
-def _why_lost(search: Search, e: Evaluation, chosen: Evaluation, rates: dict[tuple[str, int], float]) -> str:
+def _why_lost(search: Search, e: Evaluation, chosen: Evaluation, on_rate: bool) -> str:
     chunk = f"chunk {e.chunk}: " if e.chunk != chosen.chunk else ""
-    key = (str(e.layout), e.chunk)
-    if key in rates:
-        return f"{chunk}at most {rates[key]:.2f} req/s at the target, below the choice's {chosen.rate:.2f}"
+    if on_rate and search.meets(e):
+        return f"{chunk}at most {e.rate:.2f} req/s at the target, below the choice's {chosen.rate:.2f}"
+    if on_rate:
+        return f"{chunk}at {e.rate:.2f} req/s, " + missed(e.result, search.slo, search.target)
     if not search.meets(e):
         return chunk + missed(e.result, search.slo, search.target)
     if e.workers > chosen.workers:

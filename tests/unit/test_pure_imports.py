@@ -38,6 +38,7 @@ PURE_MODULES = [
     "baton.planner.capacity",
     "baton.planner.forecast",
     "baton.planner.cli",
+    "baton.planner.baseline",
     "baton.planner.kustomize",
     "baton.planner.layout",
     "baton.planner.plan",
