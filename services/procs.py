@@ -55,6 +55,9 @@ class ProcessGroup:
     """Processes started with ``spawn`` and stopped together by ``stop``."""
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    signalled: set[str] = field(default_factory=set)
+    """Children already sent SIGTERM (retired): ``stop`` does not signal them again, as a second
+    signal makes a worker skip its drain."""
 
     def spawn(
         self,
@@ -76,8 +79,8 @@ class ProcessGroup:
         """SIGTERM every child (or those in ``names``), wait up to ``timeout``, then SIGKILL what
         is left."""
         procs = [(n, p) for n, p in self.procs if names is None or n in names]
-        for _, p in procs:
-            if p.poll() is None:
+        for name, p in procs:
+            if p.poll() is None and name not in self.signalled:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for name, p in procs:
@@ -121,6 +124,8 @@ class _Child:
     exits_in_a_row: int = 0
     restart_at: float | None = None
     """When it is due to start again; None while it runs."""
+    retire_by: float | None = None
+    """Retired (``Supervisor.retire``): killed if still running at this time; None otherwise."""
 
 
 @dataclass
@@ -159,12 +164,45 @@ class Supervisor(ProcessGroup):
                 break
         self._children.pop(name, None)
 
+    def retire(self, name: str, timeout_s: float) -> None:
+        """Stop ``name`` for good: SIGTERM now (a worker drains what it has in flight), never
+        restarted; ``supervise`` drops it once it has exited, and kills it past ``timeout_s``."""
+        child = self._children[name]
+        child.restart_at, child.retire_by = None, self.clock() + timeout_s
+        self.signalled.add(name)
+        for n, p in self.procs:
+            if n == name and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def retiring(self) -> list[str]:
+        """Children retired and not yet exited."""
+        return [n for n, _ in self.procs if n in self._children and self._children[n].retire_by is not None]
+
+    def _reap(self, name: str, p: subprocess.Popen, child: _Child, now: float) -> bool:
+        """For a retired child: drop it once exited (True), kill it past its deadline."""
+        if p.poll() is not None:
+            log.info("%s retired: exited with %s", name, describe_exit(p.returncode))
+            self.procs = [(n, q) for n, q in self.procs if n != name]
+            self._children.pop(name, None)
+            self.signalled.discard(name)
+            return True
+        if child.retire_by is not None and now > child.retire_by:
+            log.warning("%s did not drain in time: killing it", name)
+            p.kill()
+        return False
+
     def supervise(self) -> None:
         """One round: note each child that exited (its restart is due after the backoff), and
-        start again those whose wait is over."""
+        start again those whose wait is over; retired children are reaped, not restarted."""
         now = self.clock()
+        for name, p in list(self.procs):
+            child = self._children[name]
+            if child.retire_by is not None:
+                self._reap(name, p, child, now)
         for i, (name, p) in enumerate(self.procs):
             child = self._children[name]
+            if child.retire_by is not None:
+                continue
             if child.restart_at is None and p.poll() is not None:
                 ran = now - child.started
                 wait, child.exits_in_a_row = self.backoff.next(ran, child.exits_in_a_row)
