@@ -253,14 +253,14 @@ def test_the_emulated_engine_keeps_the_profiles_shape_and_real_books(tmp_path):
 
 
 def test_baton_up_emulate_needs_the_layout_given(tmp_path, capsys):
-    """The machine's probe says nothing of emulated workers: without --prefill (or --colocated)
-    ``baton up --emulate`` stops before starting anything, saying why."""
+    """The machine's probe says nothing of emulated workers: without --layout, --plan, --prefill or
+    --colocated ``baton up --emulate`` stops before starting anything, saying why."""
     from baton.services.cli import main
 
     path = tmp_path / "profile.json"
     PROFILE.save(path)
     assert main(["up", "--emulate", str(path), "--decode", "2"]) == 2
-    assert "--emulate needs --prefill" in capsys.readouterr().err
+    assert "--emulate needs the workers given" in capsys.readouterr().err
 
 
 def test_an_emulated_transfer_lasts_the_profiles_time_from_its_first_send():
