@@ -7,6 +7,8 @@ whose target is absent is skipped by kustomize):
 - each pool's Deployment replicas: the plan's counts;
 - each pool's autoscaler: at least the plan's count (the rate it was planned for is the floor), at
   most what the budget leaves beside the other pool's planned count;
+- the chunk it chose: ``--max-num-batched-tokens`` appended to both pools' worker args (the
+  last of a flag wins);
 - the targets: the prompt tokens queued per prefill pod that the pod clears in half the TTFT SLO
   (its profiled prefill rate x TTFT / 2), the running sequences per decode pod at which its step
   still meets the TPOT SLO (the plan's closed-form decode batch), and KEDA's latency triggers at
@@ -36,8 +38,10 @@ def overlay(
     slo: SLO,
     prefill_tok_s: float,
     decode_batch: int,
+    chunk: int | None = None,
 ) -> dict:
-    """The overlay's kustomization for ``layout`` on ``base`` (a path relative to the overlay)."""
+    """The overlay's kustomization for ``layout`` on ``base`` (a path relative to the overlay),
+    with ``chunk`` as the workers' ``--max-num-batched-tokens`` (None: the base's)."""
     body: dict = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -61,6 +65,11 @@ def overlay(
         ]
     else:
         body["patches"] += _prefill_patches(layout, max_workers, slo, prefill_tok_s)
+    if chunk is not None:
+        add = "/spec/template/spec/containers/0/args/-"
+        ops = [{"op": "add", "path": add, "value": v} for v in ("--max-num-batched-tokens", str(chunk))]
+        target = {"kind": "Deployment", "name": "baton-(prefill|decode)"}
+        body["patches"].append({"target": target, "patch": json.dumps(ops)})
     return body
 
 

@@ -111,8 +111,9 @@ def write_overlay(p: Plan, folder: Path, base: str) -> Path:
         raise ValueError(f"--kustomize-base {base}: no kustomization.yaml there")
     folder.mkdir(parents=True, exist_ok=True)
     rel = os.path.relpath(Path(base).resolve(), folder.resolve())
+    b = p.baseline
     body = overlay(
-        p.chosen.layout, rel, p.budget_workers, p.slo, p.baseline.prefill_tok_s, p.baseline.decode_batch
+        p.chosen.layout, rel, p.budget_workers, p.slo, b.prefill_tok_s, b.decode_batch, p.chosen.chunk
     )
     head = f"# baton plan: {p.chosen.layout} (chunk {p.chosen.chunk}); kubectl apply -k {folder}\n"
     path = folder / "kustomization.yaml"

@@ -23,6 +23,7 @@ from baton.planner.cli import add_simulate_parser
 from baton.planner.plan_cli import add_plan_parser
 from baton.services import cluster_auth
 from baton.services.autoscaler import add_autoscaler_parser
+from baton.services.up_autoscale import add_up_autoscale_args, up_autoscale_from_args
 
 
 def _engine_args(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
@@ -657,6 +658,11 @@ def cmd_up(a: argparse.Namespace) -> int:
         return 2
     if a.emulate and (code := _emulated_up(a)) is not None:
         return code
+    try:
+        autoscale = up_autoscale_from_args(a)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: baton up --autoscale: {e}", file=sys.stderr)
+        return 2
     return run_cluster(
         UpConfig(
             prefill=a.prefill,
@@ -681,6 +687,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             drain_timeout_s=a.drain_timeout,
             metrics_port=a.metrics_port,
             auth=auth,
+            autoscale=autoscale,
             **front,
         )
     )
@@ -899,6 +906,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill/--decode/--colocated",
     )
     up.add_argument("--plan", default=None, help="apply the layout of a `baton plan --json` output file")
+    add_up_autoscale_args(up)  # --autoscale (services/up_autoscale.py)
     _engine_args(up, dtype="auto")
     _emulate_arg(up)
     cluster_auth.add_args(up)

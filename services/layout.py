@@ -144,16 +144,23 @@ def fixed_layout(text: str) -> tuple[int, int, bool]:
     return layout.prefill, layout.decode, layout.colocated
 
 
-def plan_layout(plan_json: Mapping) -> tuple[str, str | None]:
-    """``baton up --plan``: the layout a ``baton plan --json`` object chose, and a warning when
-    that plan could not meet its rate (its layout is then the best at its budget, not enough)."""
-    layout = plan_json.get("layout")
+def plan_layout(plan_json: Mapping) -> tuple[str, int | None, str | None]:
+    """``baton up --plan``: the layout and chunk (``max_num_batched_tokens``; None if it names
+    none) a ``baton plan --json`` object chose, and a warning when that plan could not meet its
+    rate (its layout is then the best at its budget, not enough)."""
+    layout, chunk = plan_json.get("layout"), plan_json.get("chunk")
     if not isinstance(layout, str):
         raise ValueError("not a `baton plan --json` output: it names no layout")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"the plan's chunk {chunk!r} is not a positive number of tokens")
     if plan_json.get("met", True):
-        return layout, None
+        return layout, chunk, None
     rate, best = plan_json.get("asked_rate_req_s"), plan_json.get("max_rate_req_s")
-    return layout, (
-        f"warning: the plan's {layout} does not meet its rate ({rate} req/s; at most {best} req/s "
-        "within its SLOs): it is the best layout within its budget"
+    return (
+        layout,
+        chunk,
+        (
+            f"warning: the plan's {layout} does not meet its rate ({rate} req/s; at most {best} req/s "
+            "within its SLOs): it is the best layout within its budget"
+        ),
     )

@@ -232,6 +232,9 @@ def test_the_kustomize_overlay_renders_the_plan(tmp_path):
     # clears in half the TTFT SLO.
     assert decode["metrics"][0]["pods"]["target"]["averageValue"] == "32"
     assert int(prefill["metrics"][0]["pods"]["target"]["averageValue"]) > 1000
+    for role in ("prefill", "decode"):  # the plan's chunk, last on the workers' command lines
+        args = _find(docs, "Deployment", f"baton-{role}")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[-2:] == ["--max-num-batched-tokens", "2048"]
 
 
 def test_a_colocated_overlay_on_keda_has_no_prefill_pool(tmp_path):

@@ -49,9 +49,11 @@ def test_the_layout_decides_the_workers_and_the_rule_only_pins_them():
 
 def test_a_plan_file_is_applied(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"layout": "2p1d", "met": True, "slo_attainment": 0.95}))
+    path.write_text(json.dumps({"layout": "2p1d", "chunk": 512, "met": True, "slo_attainment": 0.95}))
     a, ok = _up("--plan", str(path))
     assert ok and (a.prefill, a.decode, a.colocated) == (2, 1, False)
+    assert a.max_num_batched_tokens == 512  # the chunk it was simulated with
+    assert "chunk 512" in capsys.readouterr().err
     unmet = {"layout": "colocated:4", "met": False, "asked_rate_req_s": 100.0, "max_rate_req_s": 30.5}
     path.write_text(json.dumps(unmet))
     a, ok = _up("--plan", str(path))
@@ -59,6 +61,8 @@ def test_a_plan_file_is_applied(tmp_path, capsys):
     assert "does not meet its rate" in capsys.readouterr().err
     with pytest.raises(ValueError, match="names no layout"):
         plan_layout({"slo_attainment": 1.0})
+    with pytest.raises(ValueError, match="positive number of tokens"):
+        plan_layout({"layout": "1p1d", "chunk": "big"})
 
 
 @pytest.mark.parametrize(
