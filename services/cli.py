@@ -696,7 +696,8 @@ def cmd_up(a: argparse.Namespace) -> int:
 def apply_up_layout(a: argparse.Namespace) -> bool:
     """``baton up --layout L`` or ``--plan P.json`` (a ``baton plan --json`` output): the worker
     counts they name, set as ``--prefill``/``--decode``/``--colocated`` would (so the rest of ``up``
-    sees one way of asking); False, with the reason printed, when they cannot be applied."""
+    sees one way of asking), and the plan's chunk as ``--max-num-batched-tokens``; False, with the
+    reason printed, when they cannot be applied."""
     import json
     from pathlib import Path
 
@@ -709,11 +710,17 @@ def apply_up_layout(a: argparse.Namespace) -> bool:
               file=sys.stderr)  # fmt: skip
         return False
     try:
-        text, warning = (a.layout, None) if a.layout else plan_layout(json.loads(Path(a.plan).read_text()))
+        if a.layout:
+            text, chunk, warning = a.layout, None, None
+        else:
+            text, chunk, warning = plan_layout(json.loads(Path(a.plan).read_text()))
         a.prefill, a.decode, a.colocated = fixed_layout(text)
     except (OSError, ValueError) as e:
         print(f"error: {'--layout' if a.layout else '--plan ' + a.plan}: {e}", file=sys.stderr)
         return False
+    if chunk is not None:  # the step mix the plan was simulated with
+        a.max_num_batched_tokens = chunk
+        print(f"baton up: the plan's {text}, chunk {chunk} (--max-num-batched-tokens)", file=sys.stderr)
     if warning:
         print(warning, file=sys.stderr)
     return True
