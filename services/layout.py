@@ -77,11 +77,11 @@ def plan(cores: Sequence[int], req: LayoutRequest, probe: Mapping | None) -> Lay
             reasons.append(f"{dtype} (the only dtype this CPU multiplies natively)")
     decode = req.decode or 1
     if req.colocated:
-        prefill, why = 0, "colocated (--colocated)"
+        prefill, why = 0, "colocated (as asked: --colocated, --layout or --plan)"
     elif req.prefill is not None:
         prefill, why = (
             req.prefill,
-            f"{req.prefill} prefill worker{'s' if req.prefill != 1 else ''} (--prefill)",
+            f"{req.prefill} prefill worker{'s' if req.prefill != 1 else ''} (as asked: --prefill, --layout or --plan)",
         )
     else:
         prefill, why = _auto_prefill(n, probe)
