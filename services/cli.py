@@ -9,6 +9,8 @@ baton bench breakdown --runs 3 -- --colocated    # where a served token's time g
 baton bench goodput --base-url http://127.0.0.1:8000 --rates 0.25,0.5,1   # W2 goodput: a rate search
 baton bench serve --base-url http://127.0.0.1:8000 --workload w2 --request-rate 1 --goodput ttft:1500 tpot:60
 baton profile --output P.json [--quick] | --check P.json    # this machine's costs, for the planner
+baton plan --profile P.json --rate 20 --slo ttft:2000 tpot:100 --max-workers 16 --json > plan.json
+baton up --plan plan.json | --layout 2p3d | --layout colocated:2   # a layout baton plan/simulate named
 """
 
 from __future__ import annotations
