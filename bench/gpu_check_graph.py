@@ -52,9 +52,10 @@ def prefill_batch(model, prompts: list[list[int]], dtype: torch.dtype, max_len: 
 
 
 @torch.inference_mode()
-def eager_decode(model, state: DecodeState, steps: int) -> list[list[int]]:
+def eager_decode(model, state: DecodeState, steps: int, hidden: list | None = None) -> list[list[int]]:
     """``steps`` greedy decode steps of the whole batch as the engine runs them (no graph); the
-    state's cache is written, its lengths and tokens are not advanced."""
+    state's cache is written, its lengths and tokens are not advanced. ``hidden`` collects each
+    step's hidden states."""
     runner = ModelRunner(model, state.cache, BLOCK_SIZE, scratch_block=state.scratch_block)
     lens, tokens = list(state.lens), list(state.tokens)
     out: list[list[int]] = [[] for _ in tokens]
@@ -66,8 +67,10 @@ def eager_decode(model, state: DecodeState, steps: int) -> list[list[int]]:
             )
         )
         inputs = runner.prepare(sched)
-        hidden = model(inputs.input_ids, inputs.positions, state.cache, inputs.meta)
-        tokens = model.greedy_tokens(hidden[inputs.logits_indices]).tolist()
+        states = model(inputs.input_ids, inputs.positions, state.cache, inputs.meta)
+        if hidden is not None:
+            hidden.append(states[: len(tokens)].float().cpu())
+        tokens = model.greedy_tokens(states[inputs.logits_indices]).tolist()
         for i, t in enumerate(tokens):
             out[i].append(t)
         lens = [n + 1 for n in lens]
@@ -105,8 +108,8 @@ class DecodeGraph:
         self.out = self._capture() if capture else self.ids
 
     def _step(self) -> torch.Tensor:
-        hidden = self.model(self.ids, self.positions, self.state.cache, self.meta)
-        return self.model.greedy_tokens(hidden)
+        self.hidden = self.model(self.ids, self.positions, self.state.cache, self.meta)  # [B, hidden]
+        return self.model.greedy_tokens(self.hidden)
 
     @torch.inference_mode()
     def _capture(self) -> torch.Tensor:
@@ -139,7 +142,7 @@ class DecodeGraph:
         self.tables.copy_(torch.tensor(self.state.tables, dtype=torch.int32))
 
     @torch.inference_mode()
-    def decode(self, steps: int) -> list[list[int]]:
+    def decode(self, steps: int, hidden: list | None = None) -> list[list[int]]:
         """Like ``eager_decode``, each step a replay."""
         lens, tokens = list(self.state.lens), list(self.state.tokens)
         out: list[list[int]] = [[] for _ in tokens]
@@ -149,6 +152,8 @@ class DecodeGraph:
                 self.graph.replay()
             else:
                 self.out = self._step()
+            if hidden is not None:
+                hidden.append(self.hidden.float().cpu())
             tokens = self.out.tolist()
             for i, t in enumerate(tokens):
                 out[i].append(t)

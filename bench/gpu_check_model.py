@@ -282,14 +282,18 @@ def check_cuda_graph_decode(model_dir: str, dtype: str = "bfloat16", steps: int 
     prompts = make_prompts([9, 16, 31, 40, 64, 3, 100, 17], seed=1)
     state = prefill_batch(model, prompts, torch_dtype, max_len=len(max(prompts, key=len)) + steps + 1)
     cache0 = state.cache.clone()
-    eager = eager_decode(model, state, steps)
+    eager_hidden: list[torch.Tensor] = []
+    graph_hidden: list[torch.Tensor] = []
+    eager = eager_decode(model, state, steps, eager_hidden)
     state.cache.copy_(cache0)
     t = time.perf_counter()
     graph = DecodeGraph(model, state)
     capture_s = time.perf_counter() - t
-    replayed = graph.decode(steps)
+    replayed = graph.decode(steps, graph_hidden)
     same = eager == replayed
+    diffs = [(a - b).abs().max().item() for a, b in zip(eager_hidden, graph_hidden)]
     figures = {"dtype": dtype, "batch": len(prompts), "steps": steps, "capture_s": round(capture_s, 3)}
+    figures["hidden_max_abs_diff_per_step"] = [float(f"{d:.3g}") for d in diffs]  # 0 if bitwise equal
     figures |= {
         "identical": same,
         "eager_ms_per_step": eager_ms(model, state, cache0),
