@@ -152,14 +152,11 @@ def chunk_choices(profile: Profile) -> tuple[tuple[int, ...], str]:
     own = profile.engine.max_num_batched_tokens
     measured = [p.get("tokens", 0) for p in profile.points.get("prefill", [])]
     if not measured:
-        return (
-            own,
-        ), f"chunk {own} (the profile's): it holds no prefill points to say how far its model reaches"
+        note = f"chunk {own} (the profile's): it holds no prefill points to say how far its model reaches"
+        return (own,), note
     top = max(measured)
-    chunks = sorted({own, *(c for c in CHUNKS if c <= top)})
-    return tuple(
-        chunks
-    ), f"chunks {', '.join(map(str, chunks))} (prefill measured up to {top:.0f} tokens a step)"
+    chunks = tuple(sorted({own, *(c for c in CHUNKS if c <= top)}))
+    return chunks, f"chunks {', '.join(map(str, chunks))} (prefill measured up to {top:.0f} tokens a step)"
 
 
 class Search:
@@ -305,7 +302,7 @@ def plan(
         budget_workers=cap,
         budget_bound=bound,
         max_rate=None if meeting else (chosen.rate if search.meets(chosen) else 0.0),
-        runners_up=runners_up(search, chosen, lost) if lost else runners_up(search, chosen),
+        runners_up=runners_up(search, chosen, None if meeting else lost),
         baseline=baseline(search, chosen.chunk),
         chunks=chunks,
         notes=notes,

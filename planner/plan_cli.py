@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from baton.planner.kustomize import overlay
-from baton.planner.plan import DEFAULT_ATTAINMENT, Budget, Evaluation, Plan, fmt_ms, plan
+from baton.planner.plan import DEFAULT_ATTAINMENT, Budget, Evaluation, Plan, fmt_ms, missed, plan
 from baton.planner.profile import Profile
 from baton.planner.sim_result import parse_slo
 from baton.planner.simulate import REMOTE_PREFILL_THRESHOLD
@@ -189,18 +189,23 @@ def _line(e: Evaluation) -> str:
 
 def format_plan(p: Plan) -> str:
     c = p.chosen
+    workers = f"{p.budget_workers} worker{'s' if p.budget_workers != 1 else ''}"
     if p.met:
         head = (
             f"{c.layout} (chunk {c.chunk}): meets {p.rate:.2f} req/s at {p.target:.2f} SLO attainment "
             f"with {c.workers} worker{'s' if c.workers != 1 else ''}, the fewest within {p.budget_workers}"
         )
+    elif p.max_rate:
+        head = (
+            f"unmet: no layout of at most {workers} serves {p.rate:.2f} req/s at {p.target:.2f} SLO "
+            f"attainment; best at the budget: {c.layout} (chunk {c.chunk}), at most {p.max_rate:.2f} req/s"
+        )
     else:
         head = (
-            f"unmet: no layout of at most {p.budget_workers} workers serves {p.rate:.2f} req/s at "
-            f"{p.target:.2f} SLO attainment; best at the budget: {c.layout} (chunk {c.chunk}), "
-            f"at most {p.max_rate or 0.0:.2f} req/s"
+            f"unmet: within {workers}, not even {c.rate:.3g} req/s meets {p.target:.2f} SLO attainment; "
+            f"closest: {c.layout} (chunk {c.chunk}), {missed(c.result, p.slo, p.target)}"
         )
-    rows = [head, f"  predicted at {c.rate:.2f} req/s: {_line(c)}", "runners-up:"]
+    rows = [head, f"  predicted at {c.rate:.3g} req/s: {_line(c)}", "runners-up:"]
     rows += [f"  {str(e.layout) + ' @' + str(e.chunk):<18} {why}" for e, why in p.runners_up]
     b = p.baseline
     rows.append(

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from baton.bench.serve import (
-    RequestResult,
-    arrival_delays,
-    format_table,
-    is_good,
-    parse_goodput,
-    summarize,
-    summarize_w3,
-    summarize_w4,
-    w2_requests,
-    w3_requests,
-)
+from baton.bench.serve import parse_goodput
+from baton.bench.serve_client import RequestResult
+from baton.bench.serve_report import format_table, is_good, summarize, summarize_w3, summarize_w4
+from baton.bench.serve_workload import arrival_delays, w2_requests, w3_requests
 
 
 def test_w2_is_reproducible_and_in_range():
