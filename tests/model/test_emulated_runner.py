@@ -1,4 +1,4 @@
-"""The emulated runner (issue 30 part 5): which cost a step pays, and its stand-in tokens."""
+"""The emulated runner (issue 30 part 5): which cost a step pays, and its stand-in tokens. In tests/model: the runner returns the model runner's outputs, whose module imports torch."""
 
 from baton.common.engine.emulated_runner import EmulatedModelRunner, FakeVocab, StepCosts, step_ms
 from baton.common.engine.request import Request
