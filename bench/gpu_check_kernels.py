@@ -19,6 +19,14 @@ DECODE_CASES = [
     (3, 14, 2, 64, 32, [7, 64, 513]),
     (5, 6, 2, 48, 32, [31, 32, 33, 1, 70]),
 ]
+KERNEL_MODULES = {
+    "triton_decode": "triton_decode",
+    "triton_cascade": "triton_cascade",
+    "triton_decode_quant": "triton_decode_quant",
+    "triton_quant": "triton_fp8_linear",
+    "triton_common": "triton_decode",  # its @triton.jit helpers run inside the attention kernels
+}
+"""Every module of kernels/ with a ``@triton.jit`` -> the gpu-check check that compiles it."""
 DECODE_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 CASCADE_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 FP8_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}

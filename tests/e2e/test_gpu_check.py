@@ -70,6 +70,16 @@ def test_a_failing_check_is_recorded_and_the_rest_run(tmp_path):
     assert checks["triton_decode"]["status"] == expected
 
 
+def test_every_triton_kernel_module_has_a_check():
+    """A new ``@triton.jit`` in kernels/ must be named in KERNEL_MODULES with the check that
+    compiles it, or make gpu-check would silently leave it out."""
+    from baton.bench.gpu_check_kernels import KERNEL_MODULES
+
+    jitted = {p.stem for p in (ROOT / "kernels").glob("*.py") if "@triton.jit" in p.read_text()}
+    assert jitted and jitted <= set(KERNEL_MODULES), jitted - set(KERNEL_MODULES)
+    assert set(KERNEL_MODULES.values()) <= set(BY_NAME)
+
+
 def _ref(tokens: list[int], gaps: list[float]) -> dict:
     """A reference whose step i prefers ``tokens[i]`` by ``gaps[i]`` over token 0."""
     logits = []
