@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from baton.kernels.cascade_groups import CascadeGroups
-from baton.kernels.triton_common import MODEL_DTYPES, interpreting, pow2_at_least
+from baton.kernels.triton_common import MODEL_DTYPES, interpreting, online_softmax_step, pow2_at_least
 
 M_TILE = 16
 """Query rows per shared-pass program (the smallest ``tl.dot`` tile)."""
@@ -94,10 +94,7 @@ def _shared_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M_TILE, N_PAD]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
         v_ptrs = (
             v_ptr + block * stride_vn + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
         )
@@ -105,7 +102,6 @@ def _shared_kernel(
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     state = rows * NUM_HEADS + heads
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -190,10 +186,7 @@ def _suffix_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited block has a token
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, s)  # every visited block has a token
         v_ptrs = (
             v_ptr + block * stride_vn + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
         )
@@ -201,7 +194,6 @@ def _suffix_kernel(
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]

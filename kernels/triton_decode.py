@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.kernels.triton_common import MODEL_DTYPES, interpreting, pow2_at_least
+from baton.kernels.triton_common import MODEL_DTYPES, interpreting, online_softmax_step, pow2_at_least
 
 
 @triton.jit
@@ -88,11 +88,8 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, N_PAD] fp32
         s = tl.where(n_mask[None, :], s, float("-inf"))
 
-        # Online softmax. Every visited block holds >= 1 valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Every visited block holds >= 1 valid token, so the new max is finite.
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
 
         v_ptrs = (
             v_ptr + block * stride_vn + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
@@ -101,7 +98,6 @@ def _paged_decode_kernel(
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     # context_len == 0 leaves l_i == 0: write zeros (as the reference does) instead of NaN.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

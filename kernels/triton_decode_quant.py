@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from baton.kernels.kv_rows import SCALE_BYTES, split_rows
-from baton.kernels.triton_common import MODEL_DTYPES, pow2_at_least
+from baton.kernels.triton_common import MODEL_DTYPES, online_softmax_step, pow2_at_least
 
 _CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
@@ -111,10 +111,7 @@ def _paged_decode_quant_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks[None, :] * scale)  # [G_PAD, N_PAD]
         s = tl.where(n_mask[None, :], s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
 
         v_ptrs = (
             v_ptr + block * stride_vn + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
@@ -123,7 +120,6 @@ def _paged_decode_quant_kernel(
         vs_ptrs = vs_ptr + block * stride_vsn + kv_head * stride_vsh + offs_n * stride_vst
         vs = tl.load(vs_ptrs, mask=n_mask, other=0.0).to(tl.float32) * FACTOR
         acc = acc * alpha[:, None] + tl.dot(p * vs[None, :], v, input_precision=PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
