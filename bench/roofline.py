@@ -1,9 +1,10 @@
 """The machine's ceilings and SmolLM2-135M's floors under them (``baton bench roofline``).
 
 Measures this machine's memory read bandwidth (a 1 GiB ``torch.sum``, repeated, median; with one
-thread and with all of torch's threads, since a reduction that stays on one core reads far less
-than the socket can) and its GEMM peaks per dtype (``torch.mm`` fp32 and bf16, ``torch._int_mm``
-int8, 2048³ by default). From them, the floors a model cannot beat here:
+thread and with all of torch's threads: ``torch.sum`` splits a large reduction across its intra-op
+threads, and one core alone reads less than the socket can, 24.6 vs 32.4 GB/s on two Zen 4 cores)
+and its GEMM peaks per dtype, the best of its kernels (``torch.mm`` fp32 and bf16, Baton's own
+AVX512-BF16 GEMM where built, ``torch._int_mm`` int8; 2048³ by default). From them, the floors a model cannot beat here:
 
 - batch-1 decode: every weight is read once per token, so ms/token >= weight bytes / bandwidth;
 - W1 (BENCHMARKS.md: 64 x 256 prompt + 128 output tokens): tokens/s <= tokens / (flops / peak),
@@ -172,20 +173,45 @@ def gemm_peak(dtype: str, size: int, repeats: int) -> float | None:
     return 2.0 * size**3 / seconds / 1e9
 
 
+def baton_bf16_peak(size: int, repeats: int) -> float | None:
+    """GFLOP/s of Baton's own AVX512-BF16 GEMM (``cpu_ops.bf16_gemm``, what ``llama.Linear`` runs
+    on such a CPU without AMX) on a ``size``³ product; None where it is not built or not compiled in
+    (nothing is built here: that takes minutes)."""
+    import torch
+
+    from baton.kernels import cpu_ops
+
+    if not cpu_ops.is_built() or not cpu_ops.bf16_gemm_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size, size, generator=gen).bfloat16()
+    packed = cpu_ops.bf16_gemm_pack(torch.randn(size, size, generator=gen).bfloat16())
+    out = torch.empty(size, size, dtype=torch.bfloat16)
+    return 2.0 * size**3 / _median_s(lambda: cpu_ops.bf16_gemm(x, packed, out), repeats) / 1e9
+
+
 def measure(nbytes: int, gemm_size: int, repeats: int) -> dict:
+    """The read bandwidth by thread count, and each dtype's GEMM peak: the best of its kernels."""
     import torch
 
     threads = torch.get_num_threads()
     reads = {"1": read_bandwidth(nbytes, repeats, 1)}
     if threads > 1:
         reads[str(threads)] = read_bandwidth(nbytes, repeats, threads)
-    gemm = {d: gemm_peak(d, gemm_size, repeats) for d in BYTES_PER_WEIGHT}
+    kernels = {f"{d} torch": gemm_peak(d, gemm_size, repeats) for d in BYTES_PER_WEIGHT}
+    kernels["bf16 baton"] = baton_bf16_peak(gemm_size, repeats)
+    kernels = {k: g for k, g in kernels.items() if g is not None}
+    best: dict[str, float] = {}
+    for kernel, g in kernels.items():
+        dtype = kernel.split()[0]
+        best[dtype] = max(best.get(dtype, 0.0), g)
     return {
         "threads": threads,
         "read_bytes": nbytes,
         "read_gb_s_by_threads": reads,
         "gemm_size": gemm_size,
-        "gemm_gflops": {d: g for d, g in gemm.items() if g is not None},
+        "gemm_gflops_by_kernel": kernels,
+        "gemm_gflops": best,
     }
 
 
@@ -205,7 +231,7 @@ def _measured_from(args: argparse.Namespace) -> tuple[float | None, float | None
 
 def report(machine: dict, floor: dict, measured: dict) -> str:
     reads = ", ".join(f"{t} thread(s) {gb:.1f}" for t, gb in machine["read_gb_s_by_threads"].items())
-    gemm = ", ".join(f"{d} {g:.0f}" for d, g in machine["gemm_gflops"].items())
+    gemm = ", ".join(f"{k} {g:.0f}" for k, g in machine["gemm_gflops_by_kernel"].items())
     lines = [
         f"read bandwidth (torch.sum over {machine['read_bytes'] / 2**20:.0f} MiB), GB/s: {reads}",
         f"GEMM peak ({machine['gemm_size']}^3), GFLOP/s: {gemm}",
