@@ -54,6 +54,8 @@ CHECKS = [
     Check("w1_throughput", True, 120, True, "W1 (64 x 256 in, 128 out) tokens/s, bf16"),
 ]
 BY_NAME = {c.name: c for c in CHECKS}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+"""Added to the checks' environment: transformers and the hub never reach for a network."""
 CPU_HALF = {"engine_cpu_fp32_vs_transformers"}
 """Checks left out where CUDA is available, unless asked for by name."""
 
@@ -106,7 +108,7 @@ def run_check(check: Check, model_dir: str, layers: int | None, budget_s: float)
     t = time.monotonic()
     entry: dict = {}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s, env=os.environ | OFFLINE)
         with open(result_path) as f:
             text = f.read()
         entry = json.loads(text) if text else {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
@@ -136,12 +138,19 @@ def cuda_available() -> bool:
 
 
 def run_all(
-    names: list[str], total_budget_s: float, layers: int | None, with_cpu_half: bool = False, log=print
+    names: list[str],
+    total_budget_s: float,
+    layers: int | None,
+    with_cpu_half: bool = False,
+    log=print,
+    save=None,
 ) -> dict:
     """Every named check in order; GPU checks are ``needs-gpu`` without CUDA, and a check whose
-    model failed, or that would start past the total budget, is ``failed`` without running."""
+    model failed, or that would start past the total budget, is ``failed`` without running.
+    ``save`` gets the result so far after each check (a run cut short still leaves its JSON)."""
     has_cuda = cuda_available()
-    checks: dict[str, dict] = {}
+    result: dict = {"device": device_name(), "checks": {}}
+    checks: dict[str, dict] = result["checks"]
     deadline = time.monotonic() + total_budget_s
     with tempfile.TemporaryDirectory(prefix="gpu-check-model-") as model_dir:
         for name in names:
@@ -163,7 +172,9 @@ def run_all(
             entry["what"] = check.what
             checks[name] = entry
             log(f"{name}: {entry['status']} {entry.get('seconds', '')} {entry.get('error', '')}".rstrip())
-    return {"device": device_name(), "checks": checks}
+            if save is not None:
+                save(result)
+    return result
 
 
 def _checkout_off_path() -> None:
@@ -194,11 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown checks {unknown}")
     if any(BY_NAME[n].needs_model for n in names) and "seeded_model" not in names:
         names.insert(0, "seeded_model")
+
+    def save(result: dict) -> None:
+        with open(a.output + ".tmp", "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(a.output + ".tmp", a.output)
+
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    result = run_all(names, a.total_budget, a.layers, with_cpu_half=a.checks is not None, log=log)
-    with open(a.output, "w") as f:
-        json.dump(result, f, indent=2, default=str)
-        f.write("\n")
+    result = run_all(names, a.total_budget, a.layers, a.checks is not None, log, save)
+    save(result)
     failed = [n for n, c in result["checks"].items() if c["status"] == "failed"]
     print(
         f"{a.output}: {len(result['checks'])} checks, failed: {', '.join(failed) or 'none'}", file=sys.stderr
