@@ -171,8 +171,17 @@ def http_get(api_key: str | None, timeout_s: float = 5.0) -> Callable[[str], str
 class AutoscalerService:
     """Scrapes, decides and exports; ``step()`` is one interval, ``run(stop)`` the loop."""
 
-    def __init__(self, autoscaler: Autoscaler, gateway_url: str, get: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        autoscaler: Autoscaler,
+        gateway_url: str,
+        get: Callable[[str], str],
+        starting: Callable[[dict[str, dict[str, float]], float], dict[str, int]] | None = None,
+    ) -> None:
+        """``starting(pools, now)``: replicas starting per pool where the caller knows (``baton up``
+        does); by default those asked for and not yet registered (``starting`` below)."""
         self.autoscaler = autoscaler
+        self.count_starting = starting or self.starting
         self.gateway_url = gateway_url.rstrip("/")
         self.get = get
         self.registry = CollectorRegistry()
@@ -185,6 +194,7 @@ class AutoscalerService:
         self.last: GatewayCounters | None = None
         self.asked: dict[str, tuple[int, float]] = {}  # pool -> (desired, when it last rose)
         self.decisions: list[Decision] = []
+        self.t0 = time.monotonic()
 
     def scrape(self) -> tuple[GatewayCounters, dict[str, dict[str, float]]]:
         counters = parse_gateway_metrics(self.get(f"{self.gateway_url}/metrics"))
@@ -201,8 +211,9 @@ class AutoscalerService:
         }
 
     def step(self, now: float | None = None) -> Decision | None:
-        """One interval: None on the first scrape (a baseline for the counters)."""
-        now = time.time() if now is None else now
+        """One interval at ``now`` (seconds since the service started by default): None on the
+        first scrape (a baseline for the counters)."""
+        now = time.monotonic() - self.t0 if now is None else now
         counters, pools = self.scrape()
         before, self.last = self.last, counters
         if before is None:
@@ -211,7 +222,7 @@ class AutoscalerService:
             return None
         interval = self.autoscaler.config.interval_s
         d = self.autoscaler.decide(
-            observation(now, interval, before, counters, pools, self.starting(pools, now))
+            observation(now, interval, before, counters, pools, self.count_starting(pools, now))
         )
         for p, n in d.desired.items():
             self.desired.labels(pool=p).set(n)
@@ -247,6 +258,12 @@ def add_autoscaler_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
         default=30.0,
         help="seconds from asking for a worker to its serving",
     )
+    p.add_argument(
+        f"--{prefix}cooldown",
+        type=float,
+        default=60.0,
+        help="seconds after a pool's change before it may scale down (or reverse on the forecast alone)",
+    )
     for pool in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{prefix}min-{pool}", type=int, default=1, help=f"fewest {pool} replicas")
         p.add_argument(f"--{prefix}max-{pool}", type=int, default=8, help=f"most {pool} replicas")
@@ -261,7 +278,14 @@ def autoscale_config(a: argparse.Namespace, prefix: str = "") -> AutoscaleConfig
     for pool, (lo, hi) in bounds.items():
         if not 0 <= lo <= hi or hi < 1:
             raise ValueError(f"{pool}: the bounds need 0 <= min <= max and max >= 1, got {lo}..{hi}")
-    return AutoscaleConfig(interval_s=v[f"{key}interval"], cold_start_s=v[f"{key}cold_start"], bounds=bounds)
+    if v[f"{key}interval"] <= 0 or v[f"{key}cold_start"] < 0 or v[f"{key}cooldown"] < 0:
+        raise ValueError("the interval must be positive, the cold start and cooldown not negative")
+    return AutoscaleConfig(
+        interval_s=v[f"{key}interval"],
+        cold_start_s=v[f"{key}cold_start"],
+        cooldown_s=v[f"{key}cooldown"],
+        bounds=bounds,
+    )
 
 
 def add_autoscaler_parser(subparsers) -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from baton.common.launch import python_module
 from baton.services.cluster_auth import ClusterAuth
 from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
+from baton.services.up_autoscale import UpAutoscale, UpAutoscaler, WorkerPool
 
 STOP_MARGIN_S = 10.0
 """Beyond the drain timeout, how long a stopping ``baton up`` waits for a service before SIGKILL."""
@@ -80,6 +81,8 @@ class UpConfig:
     auth: ClusterAuth = ClusterAuth()
     """Redis credentials and cluster secret given to ``baton up``; what is missing is generated
     (``cluster_credentials``)."""
+    autoscale: UpAutoscale | None = None
+    """Add and retire workers each interval (``services/up_autoscale.py``); None: the counts stay."""
 
 
 def cluster_credentials(auth: ClusterAuth, redis_url: str | None) -> tuple[str | None, ClusterAuth]:
@@ -319,6 +322,7 @@ def run_cluster(cfg: UpConfig) -> int:
         env = auth.child_env()
         drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
         n = 0
+        commands: dict[str, list[str]] = {}
         for role, count in (("prefill", num_prefill), ("decode", cfg.decode)):
             for i in range(count):
                 args = [*baton_command(), role, "--host", cfg.host, "--redis-url", url]
@@ -327,6 +331,7 @@ def run_cluster(cfg: UpConfig) -> int:
                 if layout.colocated and role == "decode":
                     args.append("--colocated")
                 args += _degree_flags(cfg, role)
+                commands[role] = list(args)
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1
@@ -340,9 +345,12 @@ def run_cluster(cfg: UpConfig) -> int:
         key = cfg.api_keys[0] if cfg.api_keys else None
         wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic(), key)
         print(f"Supervisor metrics: http://{cfg.host}:{metrics_port}/metrics (service restarts)", flush=True)
+        scaler = _autoscaler(cfg, group, commands, env, log, layout.colocated, key)
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
         while True:
             group.supervise()
+            if scaler is not None:
+                scaler.tick()
             time.sleep(0.2)
     except _Stop:
         return 0
@@ -353,6 +361,21 @@ def run_cluster(cfg: UpConfig) -> int:
         _stop_cluster(group, cfg.drain_timeout_s)
         if redis_dir is not None:
             shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+def _autoscaler(
+    cfg: UpConfig, group: Supervisor, commands, env, log, colocated: bool, key
+) -> UpAutoscaler | None:
+    """``--autoscale``'s loop over the pools as they started (a pool is grown from its command)."""
+    if cfg.autoscale is None:
+        return None
+    roles = {"colocated": "decode"} if colocated else {"prefill": "prefill", "decode": "decode"}
+    pools = {p: WorkerPool(group, r, commands[r], env, log) for p, r in roles.items() if r in commands}
+    base = f"http://{cfg.host}:{cfg.port}"
+    try:
+        return UpAutoscaler(cfg.autoscale, base, key, pools, colocated, cfg.drain_timeout_s + STOP_MARGIN_S)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
 
 
 def gateway_command(cfg: UpConfig, redis_url: str, num_prefill: int, cpus: list[int]) -> list[str]:
