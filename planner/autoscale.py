@@ -7,7 +7,8 @@ Each interval (``decide``):
 1. **Forecast.** Holt's linear smoothing of the arrival rate (``forecast.py``), read ``cold_start_s +
    interval_s`` ahead: a worker asked for now is capacity only after its cold start, so it must fit
    the load of then. The sizing rate is ``max(forecast, the rate just seen)``: a step up is acted on
-   in the interval that shows it, whatever the smoothing still believes.
+   in the interval that shows it, whatever the smoothing still believes. A scale-down is checked
+   against the rate seen undiscounted.
 2. **Correct.** The profile's prefill and decode step costs are multiplied by smoothed, clamped
    ratios of measured p90 TTFT and TPOT to what the simulator predicts for the ready layout at the
    observed rate. A sample is used only in steady state: enough requests, no replica starting or
@@ -21,9 +22,11 @@ Each interval (``decide``):
    layout meets ``attainment`` (TTFT missed: prefill; TPOT missed: decode).
 4. **Hysteresis.** Up at once (replicas starting count as current: they are not asked for twice).
    Down only when every count needed in the last ``stable_intervals`` was lower, nothing is
-   starting, ``cooldown_s`` has passed since the pool's last change, and the lower count's
+   starting, ``cooldown_s`` has passed since the pool's last change and since a replica of it
+   last became ready (one not yet seen at work is no evidence of surplus), and the lower count's
    utilisation stays under ``headroom`` (below ``target_utilisation``: a dead band where neither way
-   moves). Up within ``cooldown_s`` of a scale-down (a reversal) only when the backlog or a measured
+   moves), at the highest demand of the last ``cooldown_s`` (one quiet interval in a noisy
+   load is no surplus). Up within ``cooldown_s`` of a scale-down (a reversal) only when the backlog or a measured
    p90 over its SLO demands it, not on the forecast alone. Then ``[min, max]`` per pool.
 """
 
@@ -75,6 +78,9 @@ class AutoscaleConfig:
     correction_alpha: float = 0.3
     """Weight of the newest observed/expected ratio."""
     correction_range: tuple[float, float] = (0.5, 4.0)
+    correction_tolerance: float = 0.15
+    """A ratio within ``1 +- this`` counts as 1: the simulator's own error at p90 (15%) is no
+    evidence against the profile, and chasing it makes capacity, and so the counts, jitter."""
     warmup_s: float = 20.0
     """After a pool's ready count rises, its latency samples are not used for this long."""
     min_samples: int = 20
@@ -158,6 +164,8 @@ class Decision:
 @dataclass
 class _PoolState:
     needed: deque[int]
+    demand: deque[float]
+    """Recent intervals' demand (req/s): a scale-down is checked against their highest."""
     last_change_s: float = -math.inf
     last_direction: int = 0
     ready: int = 0
@@ -174,7 +182,10 @@ class Autoscaler:
         self.rate = Holt(cfg.holt_alpha, cfg.holt_beta)
         self.input_len, self.output_len = Ewma(0.5), Ewma(0.5)
         self.k_prefill, self.k_decode = Ewma(cfg.correction_alpha), Ewma(cfg.correction_alpha)
-        self.state = {p: _PoolState(deque(maxlen=cfg.stable_intervals)) for p in self.pools}
+        window = max(cfg.stable_intervals, math.ceil(cfg.cooldown_s / cfg.interval_s))
+        self.state = {
+            p: _PoolState(deque(maxlen=cfg.stable_intervals), deque(maxlen=window)) for p in self.pools
+        }
         self._sim_cache: dict[tuple, tuple[float, float, float, dict[str, float]]] = {}
 
     # -- the decision ----------------------------------------------------------------------------
@@ -194,6 +205,7 @@ class Autoscaler:
         steps = (cfg.cold_start_s + cfg.interval_s) / cfg.interval_s
         seen = max(0.0, rate - cfg.noise_sigmas * math.sqrt(obs.arrivals) / obs.interval_s)
         sizing = max(self.rate.forecast(steps), seen)
+        holding = max(self.rate.forecast(steps), rate)  # what a scale-down must still carry
         notes.append(f"forecast {self.rate.forecast(steps):.2f} req/s in {steps * cfg.interval_s:.0f} s")
         model = self.corrected_profile()
         cap = capacity(model, self.mean_input, self.mean_output, self.slo)
@@ -201,7 +213,7 @@ class Autoscaler:
             notes.append(f"no count meets the SLO: {cap.why_not}")
         needed, why = self._size(model, cap, sizing, obs)
         pools = {
-            p: self._hysteresis(p, obs, needed[p], why[p], self._demand(p, sizing, obs), cap.of(p))
+            p: self._hysteresis(p, obs, needed[p], why[p], self._demand(p, holding, obs), cap.of(p))
             for p in self.pools
         }
         return Decision(obs.t_s, rate, sizing, self.correction, tuple(notes), pools)
@@ -250,6 +262,7 @@ class Autoscaler:
         ):
             if measured is not None and expected > 0 and math.isfinite(expected):
                 ratio = min(hi, max(lo, measured / expected))
+                ratio = 1.0 if abs(ratio - 1.0) <= cfg.correction_tolerance else ratio
                 k.update(ratio)
                 parts.append(f"{name} {measured:.0f}/{expected:.0f} ms")
         return f"correction updated ({', '.join(parts) or 'no latency samples'})"
@@ -363,6 +376,7 @@ class Autoscaler:
         lo, hi = cfg.bounds_of(pool)
         current = po.ready + po.starting
         st.needed.append(needed)
+        st.demand.append(demand)
         since = obs.t_s - st.last_change_s
         desired, reasons = current, list(why)
         if needed > current:
@@ -373,7 +387,9 @@ class Autoscaler:
                 desired = needed
                 reasons.append("up now" + (f" ({urgent})" if urgent else ""))
         elif needed < current:
-            desired, why_not = self._scale_down(pool, current, demand, per_replica, since, po.starting)
+            # A replica that just became ready has not been seen at work yet: it counts as a change.
+            settled = obs.t_s - max(st.last_change_s, st.ready_rose_s)
+            desired, why_not = self._scale_down(pool, current, demand, per_replica, settled, po.starting)
             reasons.append(why_not)
         if not lo <= desired <= hi:
             desired = min(hi, max(lo, desired))
@@ -409,9 +425,13 @@ class Autoscaler:
             run = _trailing_below(st.needed, current)
             return current, f"hold: lower for {run}/{cfg.stable_intervals} intervals"
         if since < cfg.cooldown_s:
-            return current, f"hold: last change {since:.0f} s ago (cooldown {cfg.cooldown_s:.0f} s)"
+            return (
+                current,
+                f"hold: last change or replica ready {since:.0f} s ago (cooldown {cfg.cooldown_s:.0f} s)",
+            )
         if per_replica <= 0:
             return current, "hold: no capacity figure"
+        demand = max(st.demand)  # the load of the last cooldown, not one quiet interval
         floor = max(max(st.needed), math.ceil(demand / (per_replica * cfg.headroom) - 1e-9))
         if floor >= current:
             util = demand / ((current - 1) * per_replica) if current > 1 else math.inf
