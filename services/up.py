@@ -347,11 +347,7 @@ def run_cluster(cfg: UpConfig) -> int:
         print(f"Supervisor metrics: http://{cfg.host}:{metrics_port}/metrics (service restarts)", flush=True)
         scaler = _autoscaler(cfg, group, commands, env, log, layout.colocated, key)
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
-        while True:
-            group.supervise()
-            if scaler is not None:
-                scaler.tick()
-            time.sleep(0.2)
+        _supervise_forever(group, scaler)
     except _Stop:
         return 0
     except (RuntimeError, TimeoutError) as e:
@@ -361,6 +357,16 @@ def run_cluster(cfg: UpConfig) -> int:
         _stop_cluster(group, cfg.drain_timeout_s)
         if redis_dir is not None:
             shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+def _supervise_forever(group: Supervisor, scaler: UpAutoscaler | None) -> None:
+    """Restart what exits and, with ``--autoscale``, move the pools to their desired counts, until
+    a signal ends ``baton up``."""
+    while True:
+        group.supervise()
+        if scaler is not None:
+            scaler.tick()
+        time.sleep(0.2)
 
 
 def _autoscaler(
