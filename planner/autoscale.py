@@ -357,7 +357,7 @@ class Autoscaler:
         grid = (math.ceil if round_up else round)(math.log(max(rate, 1e-3)) / step)
         r = math.exp(grid * step)
         i, o = max(1, round(self.mean_input)), max(1, round(self.mean_output))
-        key = (id(model), model.prefill, model.decode, str(layout), grid, i, o)
+        key = (model.prefill, model.decode, str(layout), grid, i, o)
         if key not in self._sim_cache:
             n = min(5000, max(50, math.ceil(r * self.config.sim_window_s)))
             w = Workload(rate=r, num_prompts=n, input_len=Lengths("fixed", i), output_len=Lengths("fixed", o))
