@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from baton.bench.profile_engine import DecodePoint, PrefillPoint
 from baton.bench.profile_plan import (
     failing,
     fit_errors,
@@ -17,7 +18,6 @@ from baton.bench.profile_plan import (
     reduced_plan,
     shape_mismatch,
 )
-from baton.bench.profile_engine import DecodePoint, PrefillPoint
 from baton.planner.profile import EngineShape, Linear, Machine, Profile, attention_pairs, drift, fit
 
 SHAPE = EngineShape("SmolLM2-135M-Instruct", "bfloat16", None, "auto", 1, 16, 2048, 256, 100_000)
@@ -103,7 +103,7 @@ def test_weighted_fit_serves_small_points_where_a_plain_one_does_not():
         fit(xs, [0] * 5, ms, weights=[1.0])
 
 
-def test_the_check_remeasures_the_corners_of_the_stored_grid():
+def test_the_check_remeasures_the_prefill_corners_and_every_decode_point():
     plan, at_points = reduced_plan(_profile(), quick=True)
     assert set(plan.prefill) == {PrefillPoint(1, t, p) for t in (32, 256, 1024) for p in (0, 1024)}
     assert set(plan.decode) == {DecodePoint(b, c) for b in (1, 8, 32) for c in (128, 1024)}
