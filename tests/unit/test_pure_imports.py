@@ -14,6 +14,7 @@ import pytest
 
 PURE_MODULES = [
     "baton.bench.kv_step",
+    "baton.bench.profile_plan",
     "baton.common.engine.hashing",
     "baton.common.engine.block_pool",
     "baton.common.engine.config",
