@@ -79,8 +79,10 @@ def test_pure_module_imports_without_torch(module):
 
 @pytest.mark.parametrize("path", sorted(p.name for p in UNIT_DIR.glob("test_*.py")), ids=lambda name: name)
 def test_unit_test_module_imports_without_torch(path):
-    # The unit tests themselves must not need torch either.
+    # The unit tests themselves must not need torch either. The checkout's root goes after
+    # site-packages, as pytest's --import-mode=append puts it, so that `tests.unit.*` helpers import.
     proc = _run_blocked(
+        f"sys.path.append({str(UNIT_DIR.parents[1])!r})\n"
         "import importlib.util\n"
         f"spec = importlib.util.spec_from_file_location('m', {str(UNIT_DIR / path)!r})\n"
         "mod = importlib.util.module_from_spec(spec)\n"
