@@ -785,7 +785,8 @@ def _engine_flags(a: argparse.Namespace) -> list[str]:
         flags += ["--draft-model", os.path.abspath(a.draft_model)] if a.draft_model else []
         flags += ["--no-adaptive-speculation"] if a.no_adaptive_speculation else []
     flags += ["--no-jump-forward"] if a.no_jump_forward else []
-    flags += ["--emulate", os.path.abspath(a.emulate)] if a.emulate else []
+    emulate = getattr(a, "emulate", None)  # baton up's and the workers' flag; generate has none
+    flags += ["--emulate", os.path.abspath(emulate)] if emulate else []
     return flags
 
 
