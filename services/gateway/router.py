@@ -188,14 +188,14 @@ class Router:
         self, exclude: Collection[str] = (), prompt_token_ids: Sequence[int] = ()
     ) -> WorkerInfo:
         """The decode worker (address not in ``exclude``) where the prompt costs least: uncached
-        prompt tokens plus ``LOAD_COST_TOKENS`` per request on it; ties go to the least loaded."""
+        prompt tokens plus ``LOAD_COST_TOKENS`` per request on it; ties go to the least loaded.
+        Workers that failed a stream lately (``mark_failed``) are chosen only when no other is left:
+        a worker that lost one stream (a starved keepalive, a stall) may serve the next, and a
+        refusal would cost the request where trying costs at most a failed call."""
         now = time.monotonic()
         self._failed = {a: until for a, until in self._failed.items() if until > now}
-        candidates = [
-            w
-            for w in await self.decode_workers()
-            if w.grpc_address not in exclude and w.grpc_address not in self._failed
-        ]
+        workers = [w for w in await self.decode_workers() if w.grpc_address not in exclude]
+        candidates = [w for w in workers if w.grpc_address not in self._failed] or workers
         if not candidates:
             raise NoWorkerError("no decode worker is available")
         cached = await self._cached_tokens(prompt_token_ids)
@@ -269,15 +269,17 @@ class Router:
         return max(reported, local), local, w.id
 
     def forget(self, address: str) -> None:
-        """Leave a worker that failed out of the choice until the next refresh."""
-        self._decode = [w for w in self._decode if w.grpc_address != address]
+        """Leave a worker that failed a call out of the choice for a registry refresh's time, while
+        another is left (``pick_decode``)."""
+        until = time.monotonic() + self._refresh_s
+        self._failed[address] = max(self._failed.get(address, until), until)
 
     def mark_failed(self, address: str) -> None:
         """Leave a decode worker whose stream failed mid-request out of the choice for
-        ``FAILED_HOLD_S``, not only until the next refresh: its registry key outlives it by up to
-        the heartbeat TTL, and the requests routed there meanwhile would each pay a failed call."""
+        ``FAILED_HOLD_S``, not only until the next refresh, while another is left: its registry key
+        outlives it by up to the heartbeat TTL, and the requests routed there meanwhile would each
+        pay a failed call."""
         self._failed[address] = time.monotonic() + self.FAILED_HOLD_S
-        self.forget(address)
 
     @contextmanager
     def track(self, address: str) -> Iterator[None]:

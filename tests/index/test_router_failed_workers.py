@@ -1,0 +1,54 @@
+"""The gateway's router over a real Redis registry: a decode worker that failed a call is left out
+while another is left, and chosen again, not refused, when it is the only one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from baton.common.index.client import connect
+from baton.common.index.registry import WorkerInfo, WorkerRegistry
+from baton.services.gateway.router import NoWorkerError, Router
+
+
+def _decode(worker_id: str, port: int) -> WorkerInfo:
+    return WorkerInfo(worker_id, "decode", f"127.0.0.1:{port}", "", f"http://127.0.0.1:{port}/metrics")
+
+
+def _pick(router: Router, exclude=()) -> str:
+    return asyncio.run(router.pick_decode(exclude=exclude)).id
+
+
+@pytest.fixture()
+def registry(redis_server, client):
+    conn = connect(redis_server.url)
+    try:
+        yield WorkerRegistry(conn, "m", ttl_s=30.0)
+    finally:
+        conn.close()
+
+
+def test_a_failed_worker_is_left_out_while_another_is_left(registry):
+    registry.register(_decode("a", 1001))
+    registry.register(_decode("b", 1002))
+    router = Router(registry, refresh_s=0.0)
+    router.mark_failed("127.0.0.1:1001")
+    assert {_pick(router) for _ in range(4)} == {"b"}
+    router.forget("127.0.0.1:1002")  # b failed a call too: both lately failed, neither refused
+    assert _pick(router) in {"a", "b"}
+    assert _pick(router, exclude=["127.0.0.1:1001"]) == "b"
+    with pytest.raises(NoWorkerError):
+        _pick(router, exclude=["127.0.0.1:1001", "127.0.0.1:1002"])
+
+
+def test_the_only_worker_is_tried_again_after_a_failed_stream_not_refused(registry):
+    registry.register(_decode("only", 1003))
+    router = Router(registry, refresh_s=0.0)
+    assert _pick(router) == "only"
+    router.mark_failed("127.0.0.1:1003")  # e.g. a keepalive starved on a busy host cut one stream
+    assert _pick(router) == "only"  # was a 503 "no decode worker is available" for 10 s
+    router.forget("127.0.0.1:1003")
+    assert _pick(router) == "only"
+    with pytest.raises(NoWorkerError):  # the request that failed there excludes it itself
+        _pick(router, exclude=["127.0.0.1:1003"])
