@@ -12,8 +12,9 @@ import pytest
 from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Observation, PoolObservation
 from baton.planner.autoscale_sim import run_autoscaled
 from baton.planner.capacity import capacity
-from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.profile import Linear, Profile
 from baton.planner.sim_result import SLO
+from tests.planner_profiles import synthetic_profile
 
 SLO_ = SLO(ttft_ms=500, tpot_ms=50)
 INTERVAL = 10.0
@@ -22,24 +23,11 @@ INTERVAL = 10.0
 def decode_heavy_profile() -> Profile:
     """Prefill is cheap and decode dear at 256 -> 128 tokens: ~73 req/s a prefill replica, ~3.8 req/s
     a decode replica within a 50 ms TPOT."""
-    return Profile(
-        machine=Machine(cpu="test", isa="avx2", cores=1),
-        engine=EngineShape(
-            model="m",
-            dtype="bfloat16",
-            quantization=None,
-            kv_cache_dtype="auto",
-            tensor_parallel_size=1,
-            block_size=16,
-            max_num_batched_tokens=2048,
-            max_num_seqs=256,
-            kv_capacity_tokens=1 << 20,
-        ),
-        prefill=Linear(5.0, 0.05, 1e-5),
-        decode=Linear(10.0, 0.05, 0.005),
+    return synthetic_profile(
+        Linear(5.0, 0.05, 1e-5),
+        Linear(10.0, 0.05, 0.005),
         transfer={"ucx": Linear(2.0, 0.01)},
         gateway_ms=1.5,
-        taken_at="2026-12-05T00:00:00Z",
     )
 
 

@@ -20,10 +20,11 @@ from baton.planner.baseline import prefill_ms_per_prompt
 from baton.planner.kustomize import NEVER_REMOTE, overlay
 from baton.planner.layout import Layout, parse_layout
 from baton.planner.plan import Budget, Search, at_rate, baseline, chunk_choices, plan
-from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.profile import Linear, Machine, Profile
 from baton.planner.sim_result import SLO
 from baton.planner.simulate import simulate
 from baton.planner.workload import Workload, parse_lengths
+from tests.planner_profiles import synthetic_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 SLO_ = SLO(ttft_ms=1000.0, tpot_ms=30.0)
@@ -33,26 +34,8 @@ def _profile(**engine) -> Profile:
     """A prompt of 1000 tokens costs 105 ms to prefill (about 10 a second a worker), a decode step
     10 + 0.5 x batch ms: a batch of 40 is the most a step carries within a 30 ms TPOT (32 here:
     max_num_seqs)."""
-    shape = dict(
-        model="m",
-        dtype="bfloat16",
-        quantization=None,
-        kv_cache_dtype="auto",
-        tensor_parallel_size=1,
-        block_size=16,
-        max_num_batched_tokens=2048,
-        max_num_seqs=32,
-        kv_capacity_tokens=1 << 20,
-    )
-    shape.update(engine)
-    return Profile(
-        machine=Machine(cpu="test", isa="avx2", cores=2),
-        engine=EngineShape(**shape),
-        prefill=Linear(5.0, 0.1, 0.0),
-        decode=Linear(10.0, 0.5, 0.0),
-        transfer={"ucx": Linear(1.0, 0.001)},
-        gateway_ms=1.0,
-        taken_at="2026-12-05T00:00:00Z",
+    return synthetic_profile(
+        Linear(5.0, 0.1, 0.0), Linear(10.0, 0.5, 0.0), cores=2, **{"max_num_seqs": 32, **engine}
     )
 
 

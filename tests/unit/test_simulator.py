@@ -10,33 +10,20 @@ import pytest
 
 from baton.planner import sim_engine
 from baton.planner.layout import parse_layout
-from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.profile import Linear, Profile
 from baton.planner.sim_result import SLO
 from baton.planner.simulate import Simulator, simulate
 from baton.planner.workload import Workload, draw, parse_lengths
+from tests.planner_profiles import synthetic_profile
 
 
 def _profile(**engine) -> Profile:
-    shape = dict(
-        model="m",
-        dtype="bfloat16",
-        quantization=None,
-        kv_cache_dtype="auto",
-        tensor_parallel_size=1,
-        block_size=16,
-        max_num_batched_tokens=2048,
-        max_num_seqs=256,
-        kv_capacity_tokens=1 << 20,
-    )
-    shape.update(engine)
-    return Profile(
-        machine=Machine(cpu="test", isa="avx2", cores=1),
-        engine=EngineShape(**shape),
-        prefill=Linear(5.0, 0.05, 1e-5),
-        decode=Linear(10.0, 0.05, 0.001),
+    return synthetic_profile(
+        Linear(5.0, 0.05, 1e-5),
+        Linear(10.0, 0.05, 0.001),
         transfer={"ucx": Linear(2.0, 0.01)},
         gateway_ms=1.5,
-        taken_at="2026-12-05T00:00:00Z",
+        **engine,
     )
 
 
