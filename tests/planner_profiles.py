@@ -28,15 +28,18 @@ def synthetic_profile(
     gateway_ms: float = 1.0,
     cores: int = 1,
     cpu: str = "test",
+    isa: str = "avx2",
+    points: dict[str, list[dict[str, float]]] | None = None,
     **engine: Any,
 ) -> Profile:
     """A profile with these step models; ``engine`` overrides fields of ``SHAPE``."""
     return Profile(
-        machine=Machine(cpu=cpu, isa="avx2", cores=cores),
+        machine=Machine(cpu=cpu, isa=isa, cores=cores),
         engine=EngineShape(**{**SHAPE, **engine}),
         prefill=prefill,
         decode=decode,
         transfer=transfer if transfer is not None else {"ucx": Linear(1.0, 0.001)},
         gateway_ms=gateway_ms,
         taken_at="2026-12-05T00:00:00Z",
+        points=points or {},
     )

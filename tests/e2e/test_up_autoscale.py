@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.profile import Linear
 from tests.e2e.fault_cluster import wait_for
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.e2e.up_process import start_up, stop_up
+from tests.planner_profiles import synthetic_profile
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,24 +32,14 @@ SHORT, LONG = 24, 2500
 
 def _slow_profile(path: Path) -> str:
     """~0.5 req/s a worker at 24 output tokens within a 600 ms TPOT: 500 ms decode steps."""
-    Profile(
-        machine=Machine(cpu="test", isa="avx2", cores=1),
-        engine=EngineShape(
-            model="tiny",
-            dtype="float32",
-            quantization=None,
-            kv_cache_dtype="auto",
-            tensor_parallel_size=1,
-            block_size=16,
-            max_num_batched_tokens=256,
-            max_num_seqs=8,
-            kv_capacity_tokens=50_000,
-        ),
-        prefill=Linear(5.0, 0.01),
-        decode=Linear(500.0, 1.0),
-        transfer={"ucx": Linear(1.0, 0.001)},
-        gateway_ms=1.0,
-        taken_at="2026-12-05T00:00:00Z",
+    synthetic_profile(
+        Linear(5.0, 0.01),
+        Linear(500.0, 1.0),
+        model="tiny",
+        dtype="float32",
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        kv_capacity_tokens=50_000,
     ).save(path)
     return str(path)
 

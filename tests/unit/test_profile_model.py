@@ -9,35 +9,26 @@ import pytest
 
 from baton.planner.profile import (
     VERSION,
-    EngineShape,
     Linear,
-    Machine,
     Profile,
     attention_pairs,
     drift,
     fit,
 )
+from tests.planner_profiles import synthetic_profile
 
 
 def _profile(scale: float = 1.0) -> Profile:
-    return Profile(
-        machine=Machine(cpu="AMD EPYC (family 25 model 17)", isa="avx512-bf16", cores=2),
-        engine=EngineShape(
-            model="SmolLM2-135M-Instruct",
-            dtype="bfloat16",
-            quantization=None,
-            kv_cache_dtype="auto",
-            tensor_parallel_size=1,
-            block_size=16,
-            max_num_batched_tokens=2048,
-            max_num_seqs=256,
-            kv_capacity_tokens=100_000,
-        ),
-        prefill=Linear(5.0 * scale, 0.05 * scale, 1e-5 * scale),
-        decode=Linear(8.0 * scale, 0.1 * scale, 0.001 * scale),
+    return synthetic_profile(
+        Linear(5.0 * scale, 0.05 * scale, 1e-5 * scale),
+        Linear(8.0 * scale, 0.1 * scale, 0.001 * scale),
         transfer={"ucx": Linear(1.0 * scale, 0.002 * scale)},
         gateway_ms=1.5 * scale,
-        taken_at="2026-12-05T00:00:00Z",
+        cores=2,
+        cpu="AMD EPYC (family 25 model 17)",
+        isa="avx512-bf16",
+        model="SmolLM2-135M-Instruct",
+        kv_capacity_tokens=100_000,
         points={
             "prefill": [
                 {"tokens": 256, "pairs": 32896, "ms": 18.1},
