@@ -183,7 +183,8 @@ class Dispatcher:
         """One decode request's chunks. A worker that is unreachable before the first chunk is left
         out and another one tried; one that fails or stalls mid-stream is left out of routing and
         the request migrates: it resumes on another worker from the tokens and text already sent,
-        so that the chunks go on without a gap or a repeat (greedy: token-identical)."""
+        so that the chunks go on without a gap or a repeat (greedy: token-identical). With no other
+        worker left, one that is still reachable resumes the stream itself."""
         prefill = await self._router.pick_prefill(sub.prompt_token_ids)
         base = baton_pb2.GenerateRequest(
             request_id=sub.request_id,
@@ -194,6 +195,10 @@ class Dispatcher:
         )
         progress = _Progress()
         tried: list[str] = []
+        # A worker that lost this stream while reachable (a keepalive starved on a busy host, a
+        # stall): with no other worker left it resumes the stream itself, as a new request would be
+        # sent there. One that refuses the connection (a dead process) is not tried again.
+        lone: str | None = None
         refused: APIError | None = None  # the last "queue full" answer, if every worker is full
         deadline = time.monotonic() + self._timeout_s
         with contextlib.ExitStack() as queued:
@@ -209,6 +214,9 @@ class Dispatcher:
                         exclude=tried, prompt_token_ids=sub.prompt_token_ids
                     )
                 except NoWorkerError as e:
+                    if lone is not None:
+                        tried, lone = [a for a in tried if a != lone], None
+                        continue
                     if refused is not None:
                         raise refused from None  # every worker tried is full: 429, not 503
                     if progress.token_ids:
@@ -219,6 +227,7 @@ class Dispatcher:
                     raise unavailable(str(e), code="no_decode_worker") from None
                 address = worker.grpc_address
                 request = progress.request(base)
+                sent = len(progress.token_ids)
                 call = self._router.decode_stub(address).Generate(
                     request, timeout=max(deadline - time.monotonic(), 0.001)
                 )
@@ -256,6 +265,8 @@ class Dispatcher:
                             )
                             self._router.mark_failed(address)
                             tried.append(address)
+                            if code is None or len(progress.token_ids) > sent:
+                                lone = address
                             continue
                         raise unavailable(
                             f"the request failed on {progress.migrations + 1} decode workers",

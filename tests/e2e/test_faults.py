@@ -1,8 +1,9 @@
 """Decode workers that die or hang mid-stream, as real processes behind a real gateway, Redis and a
 prefill worker whose KV crosses to them over UCX: the gateway migrates each stream to another
 decode worker, which resumes it from the tokens already sent, so every stream completes
-token-identical to an unfaulted greedy run, with no gap and no repeat; with no other worker left,
-the client gets an error event and ``[DONE]`` within 5 s. The gateway's migration counter shows
+token-identical to an unfaulted greedy run, with no gap and no repeat; the only worker left, hung
+for a while, resumes its own streams; once it is dead, the client gets an error event and ``[DONE]``
+within 5 s. The gateway's migration counter shows
 the path was taken."""
 
 from __future__ import annotations
@@ -262,6 +263,32 @@ def test_a_hung_decode_worker_is_migrated_within_the_progress_deadline(cluster):
     _report(f"SIGSTOP of a decode worker (progress deadline {PROGRESS_TIMEOUT_S} s)", streams, stopped[0])
     cluster.signal("decode-b", signal.SIGKILL)
     cluster.workers["decode-b"].wait(10)
+
+
+def test_a_lone_decode_worker_that_hangs_and_comes_back_loses_no_stream(cluster):
+    """The only decode worker stops answering past the progress deadline (a host starved of CPU, a
+    keepalive answered late): each stream fails there, has no other worker to move to, and resumes
+    on the same one once it answers again. CI's locust run lost chats this way."""
+    cluster.wait_workers({"decode-c"})  # decode-b's key has expired
+    reference = _reference(cluster)
+    before = cluster.migrations()
+    stopped: list[float] = []
+
+    def hang_until_noticed() -> None:
+        stopped.append(time.monotonic())
+        cluster.signal("decode-c", signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while cluster.migrations() == before:  # the gateway saw a stream fail
+                assert time.monotonic() < deadline, "no stream failed within 30 s of SIGSTOP"
+                time.sleep(0.05)
+        finally:
+            cluster.signal("decode-c", signal.SIGCONT)
+
+    streams = _streams_until(cluster, hang_until_noticed)
+    _assert_complete_and_identical(streams, reference)
+    assert cluster.migrations() - before >= 1
+    _report("SIGSTOP of the only decode worker until a stream failed there", streams, stopped[0])
 
 
 def test_without_another_worker_the_client_gets_an_error_event_within_5_s(cluster):
