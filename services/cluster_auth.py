@@ -45,6 +45,10 @@ class ClusterAuth:
         """``redis_url`` with the credentials in it (for this process's clients only)."""
         return auth.with_credentials(redis_url, self.redis_username, self.redis_password)
 
+    def as_user(self, username: str, password: str) -> ClusterAuth:
+        """A copy that authenticates to Redis as ``username`` (a role's ACL user, ``acl.py``)."""
+        return replace(self, redis_username=username, redis_password=password)
+
     def with_generated(self) -> ClusterAuth:
         """A copy where a missing Redis password or cluster secret is a fresh random one."""
         return replace(

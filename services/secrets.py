@@ -5,7 +5,10 @@ so ``docker compose up`` locks its doors with nothing to set: Redis asks a passw
 records in Redis carry an HMAC, and the internal gRPC runs on mutual TLS. Only missing files are
 written, so a restart (or a second ``up``) keeps what the running services hold.
 
-Files: ``redis-password`` and ``redis.conf`` (``requirepass`` for ``redis-server``), ``cluster-secret``
+Files: ``redis-password`` (Redis's default user: the operator's, probes, an exporter),
+``redis-password-gateway``, ``-prefill``, ``-decode`` (each role's ACL user, ``common/index/acl.py``:
+the gateway only reads), ``redis.conf`` (``requirepass`` and the roles' ``user`` lines for
+``redis-server``; it holds their SHA-256, not the passwords), ``cluster-secret``
 (the HMAC key of worker records), ``ca.crt`` with ``tls.crt``/``tls.key`` (one identity for every
 service, for the name ``baton-internal``: channels check that name with ``--grpc-tls-server-name``,
 since the addresses workers advertise are not known in advance). The CA's key is not kept: nothing
@@ -18,6 +21,8 @@ import datetime
 import os
 import secrets
 from pathlib import Path
+
+from baton.common.index import acl
 
 SERVER_NAME = "baton-internal"
 """The name on the shared certificate, checked by every channel (``--grpc-tls-server-name``)."""
@@ -37,9 +42,11 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     tmp.replace(path)
 
 
-def redis_conf(password: str) -> str:
-    """redis-server's settings: soft state only (workers republish it), so nothing is persisted."""
-    return f'requirepass "{password}"\nsave ""\nappendonly no\nprotected-mode no\n'
+def redis_conf(password: str, role_passwords: dict[str, str] | None = None) -> str:
+    """redis-server's settings: the default user's password and the roles' ACL users; soft state
+    only (workers republish it), so nothing is persisted."""
+    users = acl.conf_lines(role_passwords) if role_passwords else ""
+    return f'requirepass "{password}"\n{users}save ""\nappendonly no\nprotected-mode no\n'
 
 
 def _certificates(days: int) -> tuple[bytes, bytes, bytes]:
@@ -89,11 +96,16 @@ def init(directory: Path, days: int = 825) -> list[str]:
     """Write what is missing under ``directory``; return the names written (empty: all there)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    if not (directory / "redis-password").is_file():
-        password = secrets.token_urlsafe(32)
-        _write(directory / "redis.conf", redis_conf(password).encode(), READABLE)
-        _write(directory / "redis-password", password.encode(), READABLE)
-        written += ["redis.conf", "redis-password"]
+    # A volume made before the roles had users gets theirs, and a redis.conf that names them.
+    for name in ("redis-password", *(f"redis-password-{role}" for role in acl.ROLES)):
+        if not (directory / name).is_file():
+            _write(directory / name, secrets.token_urlsafe(32).encode(), READABLE)
+            written.append(name)
+    if written or not (directory / "redis.conf").is_file():
+        password = (directory / "redis-password").read_text()
+        roles = {role: (directory / f"redis-password-{role}").read_text() for role in acl.ROLES}
+        _write(directory / "redis.conf", redis_conf(password, roles).encode(), READABLE)
+        written.append("redis.conf")
     if not (directory / "cluster-secret").is_file():
         _write(directory / "cluster-secret", secrets.token_urlsafe(32).encode(), PRIVATE)
         written.append("cluster-secret")

@@ -1,6 +1,7 @@
 """``baton up``: Redis (embedded unless ``REDIS_URL``), prefill workers, decode workers and the
 gateway as separate processes; waits until the gateway is ready and prints its URL. Its doors are
-locked: the embedded Redis asks a fresh password, the workers sign their registry records with a
+locked: the embedded Redis asks a fresh password, each service is its role's Redis ACL user (the
+gateway only reads: ``common/index/acl.py``), the workers sign their registry records with a
 fresh cluster secret, and the children get both in their environment, never on a command line
 (``services/cluster_auth.py``). Then it
 supervises them: a service that exits (any code, or killed) is restarted with backoff
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from baton.common.index import acl
 from baton.common.launch import python_module
 from baton.services.cluster_auth import ClusterAuth
 from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
@@ -91,8 +94,6 @@ def cluster_credentials(auth: ClusterAuth, redis_url: str | None) -> tuple[str |
     None) gets a fresh password unless ``auth`` has one; ``REDIS_URL``'s own password wins over
     ``auth``'s; the cluster secret is ``auth``'s or a fresh one, so records of any other cluster
     sharing the Redis are not this cluster's workers."""
-    import secrets
-
     from baton.common.index.auth import split_credentials
 
     if redis_url is None:
@@ -184,10 +185,12 @@ def start_redis(
     log_path: str | None,
     cpus: list[int],
     password: str,
+    users: str = "",
     timeout_s: float = 10.0,
 ) -> tuple[str, str]:
-    """The embedded ``redis-server`` as the supervised child ``redis``, asking ``password`` (from a
-    config file in its work folder, not its command line), so that one that dies is restarted on
+    """The embedded ``redis-server`` as the supervised child ``redis``, asking ``password`` of its
+    default user and knowing ``users`` (``acl.conf_lines``), both from a config file in its work
+    folder, not its command line, so that one that dies is restarted on
     the same port (empty: workers register again at their next heartbeat). Returns its URL
     (without the password) and its work folder, which the caller removes."""
     import tempfile
@@ -202,7 +205,7 @@ def start_redis(
 
     binary = find_redis_server()
     workdir = tempfile.mkdtemp(prefix="baton-redis-")
-    conf = write_password_config(workdir, password)
+    conf = write_password_config(workdir, password, users)
     for _ in range(3):  # another process may take the free port before Redis binds it
         port = free_port(host)
         args = server_args(binary, host, port, workdir, conf)
@@ -317,9 +320,13 @@ def run_cluster(cfg: UpConfig) -> int:
             return os.path.join(cfg.log_dir, f"{name}.log") if cfg.log_dir else None
 
         front = _front_cpus(pins, num_prefill)
+        envs = {role: auth.child_env() for role in acl.ROLES}
         if not url:
-            url, redis_dir = start_redis(group, cfg.host, log("redis"), front, auth.redis_password)
-        env = auth.child_env()
+            # Each service as its role's Redis user (the default user's password stays this process's).
+            passwords = {role: secrets.token_urlsafe(32) for role in acl.ROLES}
+            users = acl.conf_lines(passwords)
+            url, redis_dir = start_redis(group, cfg.host, log("redis"), front, auth.redis_password, users)
+            envs = {role: auth.as_user(acl.username(role), pw).child_env() for role, pw in passwords.items()}
         drain = ["--drain-timeout", str(cfg.drain_timeout_s)]
         n = 0
         commands: dict[str, list[str]] = {}
@@ -335,17 +342,17 @@ def run_cluster(cfg: UpConfig) -> int:
                 if pins is not None:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1
-                group.spawn(f"{role}-{i}", args, env=env, log_path=log(f"{role}-{i}"))
+                group.spawn(f"{role}-{i}", args, env=envs[role], log_path=log(f"{role}-{i}"))
         keys = {"BATON_API_KEY": ",".join(cfg.api_keys)} if cfg.api_keys else {}
         gateway = gateway_command(cfg, url, num_prefill, front)
-        group.spawn("gateway", gateway, env=env | keys, log_path=log("gateway"))
+        group.spawn("gateway", gateway, env=envs["gateway"] | keys, log_path=log("gateway"))
         base = f"http://{cfg.host}:{cfg.port}"
         deadline = time.monotonic() + cfg.ready_timeout_s
         wait_http_ok(f"{base}/ready", group, cfg.ready_timeout_s)
         key = cfg.api_keys[0] if cfg.api_keys else None
         wait_connected(base, num_prefill, cfg.decode, group, deadline - time.monotonic(), key)
         print(f"Supervisor metrics: http://{cfg.host}:{metrics_port}/metrics (service restarts)", flush=True)
-        scaler = _autoscaler(cfg, group, commands, env, log, layout.colocated, key)
+        scaler = _autoscaler(cfg, group, commands, envs, log, layout.colocated, key)
         print(f"Baton is ready: {base}/v1 (OpenAI API; Ctrl-C stops it)", flush=True)
         _supervise_forever(group, scaler)
     except _Stop:
@@ -370,13 +377,13 @@ def _supervise_forever(group: Supervisor, scaler: UpAutoscaler | None) -> None:
 
 
 def _autoscaler(
-    cfg: UpConfig, group: Supervisor, commands, env, log, colocated: bool, key
+    cfg: UpConfig, group: Supervisor, commands, envs, log, colocated: bool, key
 ) -> UpAutoscaler | None:
     """``--autoscale``'s loop over the pools as they started (a pool is grown from its command)."""
     if cfg.autoscale is None:
         return None
     roles = {"colocated": "decode"} if colocated else {"prefill": "prefill", "decode": "decode"}
-    pools = {p: WorkerPool(group, r, commands[r], env, log) for p, r in roles.items() if r in commands}
+    pools = {p: WorkerPool(group, r, commands[r], envs[r], log) for p, r in roles.items() if r in commands}
     base = f"http://{cfg.host}:{cfg.port}"
     try:
         return UpAutoscaler(cfg.autoscale, base, key, pools, colocated, cfg.drain_timeout_s + STOP_MARGIN_S)

@@ -48,6 +48,7 @@ def connect(url: str, config: RedisClientConfig | None = None, **kwargs: Any) ->
     until the first call). ``kwargs`` go to ``redis.Redis.from_url`` (e.g. ``decode_responses``)."""
     import redis
     from redis.backoff import NoBackoff
+    from redis.maint_notifications import MaintNotificationsConfig
     from redis.retry import Retry
 
     cfg = config or RedisClientConfig()
@@ -56,5 +57,10 @@ def connect(url: str, config: RedisClientConfig | None = None, **kwargs: Any) ->
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.connect_timeout_s,
         retry=Retry(NoBackoff(), cfg.retries),
+        # No CLIENT command on connecting (SETINFO, MAINT_NOTIFICATIONS: a cloud Redis's failover
+        # hints): a role's ACL user (``acl.py``) may not run CLIENT, and each refusal would fill
+        # ACL LOG, where an operator looks for real denials.
+        driver_info=None,
+        maint_notifications_config=MaintNotificationsConfig(enabled=False),
         **kwargs,
     )

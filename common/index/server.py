@@ -45,6 +45,9 @@ class EmbeddedRedisConfig:
     """How many free ports to try when ``port`` is 0 and another process takes the chosen one."""
     password: str | None = field(default=None, repr=False)
     """``requirepass``: clients must authenticate with it; None: no password."""
+    config_file: str | None = None
+    """A redis.conf to load (e.g. ``baton secrets``'s, with the roles' ACL users) instead of one
+    that sets ``password`` only; ``password`` must then be its ``requirepass``."""
 
 
 def find_redis_server() -> str:
@@ -74,14 +77,15 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
-def write_password_config(workdir: str, password: str) -> str:
-    """A redis.conf in ``workdir``, readable by its owner only, that sets ``requirepass``; its path."""
+def write_password_config(workdir: str, password: str, users: str = "") -> str:
+    """A redis.conf in ``workdir``, readable by its owner only, that sets ``requirepass`` and adds
+    ``users`` (redis.conf ``user`` lines: ``acl.conf_lines``); its path."""
     path = os.path.join(workdir, "auth.conf")
     # Every byte hex-escaped inside double quotes (redis.conf's syntax): any password is one word.
     escaped = "".join(f"\\x{b:02x}" for b in password.encode())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f'requirepass "{escaped}"\n')
+        f.write(f'requirepass "{escaped}"\n{users}')
     return path
 
 
@@ -167,7 +171,9 @@ class EmbeddedRedis:
     def _launch(self, binary: str, port: int) -> None:
         cfg = self._config
         self._workdir = tempfile.mkdtemp(prefix="baton-redis-")
-        conf = write_password_config(self._workdir, cfg.password) if cfg.password else None
+        conf = cfg.config_file or (
+            write_password_config(self._workdir, cfg.password) if cfg.password else None
+        )
         args = server_args(binary, cfg.host, port, self._workdir, conf)
         try:
             # The log goes to a file, not a pipe: a pipe nobody reads would fill and stall the server.

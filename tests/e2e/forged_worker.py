@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.common.index import keys
 from baton.common.index.auth import with_credentials
+from baton.common.index.client import RedisClientConfig, connect
 from baton.common.index.registry import WorkerInfo
 from tests.e2e.up_process import worker_pids
 
@@ -94,12 +95,18 @@ def gateway_pid(up_pid: int) -> int:
     return next(pid for name, pid in worker_pids(up_pid).items() if name.startswith("gateway"))
 
 
-def cluster_redis(up_pid: int, authenticated: bool = True):
-    """A client of a ``baton up``'s Redis: its URL from the gateway's command line, its password
-    from the gateway's environment (where an attacker on the host, as its user, would find it)."""
-    import redis
-
+def cluster_redis(up_pid: int, authenticated: bool = True, role: str = "decode"):
+    """A client of a ``baton up``'s Redis: its URL from the gateway's command line, the Redis user
+    and password from the environment of a service of ``role`` (where an attacker on the host, as
+    its user, would find them; a worker's user may write the registry, the gateway's only reads)."""
     gateway = gateway_pid(up_pid)
     url = service_flag(gateway, "--redis-url")
-    password = service_environ(gateway)["BATON_REDIS_PASSWORD"] if authenticated else None
-    return redis.Redis.from_url(with_credentials(url, None, password), socket_timeout=5)
+    user = password = None
+    if authenticated:
+        pid = next(pid for name, pid in worker_pids(up_pid).items() if name.startswith(f"{role}-"))
+        env = service_environ(pid)
+        user, password = env["BATON_REDIS_USERNAME"], env["BATON_REDIS_PASSWORD"]
+    # As the services connect (no CLIENT SETINFO, which a role's user may not run: ACL LOG stays theirs).
+    return connect(
+        with_credentials(url, user, password), RedisClientConfig(socket_timeout_s=5, connect_timeout_s=5)
+    )

@@ -105,7 +105,9 @@ def test_compose_runs_as_the_issue_asks():
         assert "secrets:/run/baton:ro" in svc["volumes"]
         assert flag(svc["command"], "--grpc-tls-ca") == "/run/baton/ca.crt"
         assert flag(svc["command"], "--grpc-tls-server-name") == "baton-internal"
-        assert svc["environment"]["BATON_REDIS_PASSWORD_FILE"] == "/run/baton/redis-password"
+        # Each its role's Redis ACL user, with its own password (common/index/acl.py).
+        assert svc["environment"]["BATON_REDIS_USERNAME"] == f"baton-{name}"
+        assert svc["environment"]["BATON_REDIS_PASSWORD_FILE"] == f"/run/baton/redis-password-{name}"
         assert svc["environment"]["BATON_CLUSTER_SECRET_FILE"] == "/run/baton/cluster-secret"
         assert "backend" in svc["networks"]
         assert "--advertise-host" not in svc["command"]  # wildcard host: each replica its own IP
@@ -325,12 +327,12 @@ def cluster(tmp_path_factory):
     services = load_compose({"KV_CACHE_GIB": "1"})["services"]
     logs = tmp_path_factory.mktemp("compose")
     # The one-shot `secrets` service first (its command, its volume a local folder), then Redis as
-    # redis.conf from it says: with the password.
+    # its redis.conf says: the password, the roles' ACL users.
     secrets = tmp_path_factory.mktemp("secrets")
     argv = [a.replace(SECRETS, str(secrets)) for a in services["secrets"]["command"]]
     subprocess.run([sys.executable, "-m", "baton.services.cli", *argv], check=True, timeout=60)
     password = (secrets / "redis-password").read_text()
-    redis = EmbeddedRedis(EmbeddedRedisConfig(password=password))
+    redis = EmbeddedRedis(EmbeddedRedisConfig(password=password, config_file=str(secrets / "redis.conf")))
     url = redis.start()
     hostport = url.removeprefix("redis://").split("@")[-1].split("/")[0]
     workers = [

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from tests.e2e.forged_worker import (
     service_flag,
     write_forgeries,
 )
-from tests.e2e.up_process import start_up, stop_up
+from tests.e2e.up_process import start_up, stop_up, worker_pids
 
 
 def _group_alive(pgid: int) -> bool:
@@ -121,8 +122,58 @@ def test_redis_asks_a_password_that_no_command_line_shows(cluster):
         assert password.encode() not in cmdline and secret.encode() not in cmdline, cmdline
     anonymous = cluster_redis(proc.pid, authenticated=False)
     with pytest.raises(redis.AuthenticationError):  # NOAUTH
-        anonymous.keys("baton:*")
-    assert cluster_redis(proc.pid).keys("baton:*")  # the workers' records, written with the password
+        anonymous.get("baton:x")
+    assert list(
+        cluster_redis(proc.pid).scan_iter("baton:*")
+    )  # the workers' records, written with the password
+
+
+def test_each_service_is_its_roles_redis_user_and_the_gateway_only_reads(cluster):
+    """Every service authenticates as its role's ACL user (``common/index/acl.py``), each with a
+    password of its own; the gateway's user (the service that faces clients) reads the registry
+    but cannot write it; no role may run an admin command or touch a key outside ``baton:*``."""
+    import redis
+
+    _, proc = cluster
+    admin = _admin_redis(proc.pid)
+    log = admin.execute_command("ACL", "LOG")
+    assert log == [], [(e[b"username"], e[b"object"]) for e in log]  # the services' own work: nothing refused
+    users = {}
+    for name, pid in worker_pids(proc.pid).items():
+        env = service_environ(pid)
+        users[env["BATON_REDIS_USERNAME"]] = env["BATON_REDIS_PASSWORD"]
+        assert env["BATON_REDIS_USERNAME"] == f"baton-{name.split('-')[0]}", name
+    roles = {
+        name.split("-")[0] for name in worker_pids(proc.pid)
+    }  # prefill workers where the layout has them
+    assert {"gateway", "decode"} <= roles and set(users) == {f"baton-{r}" for r in roles}
+    assert len(set(users.values())) == len(users)
+    gateway = cluster_redis(proc.pid, role="gateway")
+    record = next(gateway.scan_iter("baton:*:worker:*"))
+    assert gateway.get(record)  # it reads the registry
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        gateway.set(record, "{}")  # but cannot point a worker's record elsewhere
+    for role in roles:
+        client = cluster_redis(proc.pid, role=role)
+        for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("GET", "other")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+    assert len(admin.execute_command("ACL", "LOG")) >= 4  # and an operator sees who tried what
+
+
+def _admin_redis(up_pid: int):
+    """The embedded Redis as its default user, with the password of the config file in its working
+    folder (readable by the user running ``baton up`` only): what an operator on the host can do."""
+    import redis
+
+    url = urlsplit(service_flag(gateway_pid(up_pid), "--redis-url"))
+    for pid in _children(up_pid):
+        if Path(f"/proc/{pid}/comm").read_text().startswith("redis-server"):
+            conf = (Path(os.readlink(f"/proc/{pid}/cwd")) / "auth.conf").read_text()
+            escaped = conf.split('requirepass "', 1)[1].split('"', 1)[0]
+            password = bytes.fromhex(escaped.replace("\\x", "")).decode()
+            return redis.Redis(host=url.hostname, port=url.port, password=password, socket_timeout=5)
+    raise AssertionError("baton up has no redis-server child")
 
 
 def test_ready_only_once_the_gateway_routes_to_every_prefill_worker(cluster):
