@@ -18,7 +18,7 @@ K8S = ROOT / "k8s"
 ROLES = ("prefill", "decode", "gateway")
 OPERATOR_SECRETS = {
     "baton-api-key": {"BATON_API_KEY"},
-    "baton-redis": {"password"},
+    "baton-redis": {"password", "redis.conf", "gateway-password", "prefill-password", "decode-password"},
     "baton-cluster": {"secret"},
     "baton-grpc-tls": {"tls.crt", "tls.key", "ca.crt"},
 }

@@ -31,6 +31,7 @@ import yaml
 from baton.common.index.server import find_redis_server
 from baton.common.launch import python_module
 from baton.common.net import free_port
+from baton.services import secrets as baton_secrets
 from baton.services.procs import baton_command
 from tests.e2e.k8s_render import K8S, ROLES, find, rel, render, render_all, secret_data, write_kustomization
 from tests.e2e.pod_certs import write_tls_dir
@@ -421,9 +422,15 @@ def _operator_secrets(here: Path) -> list[dict]:
     fresh values, and the gRPC identity cert-manager would write (one name, no address)."""
     write_tls_dir(here / "grpc-tls")
     once = {"disableNameSuffixHash": True}
+    baton_secrets.init(here / "redis")  # `baton secrets`: the default user's and each role's password
+    redis_files = [
+        "password=redis/redis-password",
+        "redis.conf=redis/redis.conf",
+        *(f"{role}-password=redis/redis-password-{role}" for role in ROLES),
+    ]
     return [
         {"name": "baton-api-key", "literals": [f"BATON_API_KEY={secrets.token_hex(16)}"], "options": once},
-        {"name": "baton-redis", "literals": [f"password={secrets.token_hex(16)}"], "options": once},
+        {"name": "baton-redis", "files": redis_files, "options": once},
         {"name": "baton-cluster", "literals": [f"secret={secrets.token_hex(32)}"], "options": once},
         {
             "name": "baton-grpc-tls",
@@ -555,15 +562,29 @@ def test_the_doors_the_pods_lock_stay_locked(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = cluster.redis.local_port("redis")
-    with pytest.raises(redis.AuthenticationError):
-        redis.Redis(POD_IP, port).ping()
-    client = redis.Redis(POD_IP, port, password=cluster.redis.env["REDIS_PASSWORD"], decode_responses=True)
+    client = redis.Redis(POD_IP, port, password=cluster.redis.env["REDISCLI_AUTH"], decode_responses=True)
     try:
+        log = client.execute_command("ACL", "LOG")  # each pod ran as its role's user, refused nothing
+        assert log == [], [(e["username"], e["object"]) for e in log]
         assert client.config_get("maxmemory") == {"maxmemory": str(512 * 2**20)}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.dbsize() > 0  # the workers authenticated and registered
     finally:
         client.close()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(POD_IP, port).ping()
+    for pod in cluster.pods.values():
+        assert pod.env["BATON_REDIS_USERNAME"] == f"baton-{pod.role}", pod.name
+    gateway = _of(cluster.pods, "gateway")[0]
+    as_gateway = redis.Redis(
+        POD_IP, port, username="baton-gateway", password=gateway.env["BATON_REDIS_PASSWORD"]
+    )
+    try:
+        assert as_gateway.get("baton:x") is None  # it reads
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_gateway.set("baton:x", "1")  # but writes nothing: its pod's password routes no prompt
+    finally:
+        as_gateway.close()
     decode = _of(cluster.pods, "decode")[0]
     with grpc.insecure_channel(f"{POD_IP}:{decode.local_port('grpc')}") as channel:
         with pytest.raises(grpc.RpcError) as refused:

@@ -121,7 +121,11 @@ def _secret_refs(template: dict) -> set[tuple[str, str]]:
                 refs.add((ref["name"], ref["key"]))
     for v in template["spec"].get("volumes", []):
         if "secret" in v:
-            refs |= {(v["secret"]["secretName"], k) for k in OPERATOR_SECRETS[v["secret"]["secretName"]]}
+            name = v["secret"]["secretName"]
+            items = v["secret"].get("items")
+            refs |= (
+                {(name, i["key"]) for i in items} if items else {(name, k) for k in OPERATOR_SECRETS[name]}
+            )
     return refs
 
 
@@ -137,14 +141,15 @@ def test_no_manifest_ships_a_secret_and_the_operator_creates_each_one_named(rend
         assert re.search(rf"kubectl -n baton create secret \w+ {secret}\b", section), secret
 
 
-def test_every_baton_container_gets_the_redis_password_and_the_cluster_secret(rendered):
+def test_every_baton_container_gets_its_roles_redis_user_and_the_cluster_secret(rendered):
     for name in ("cpu", "gpu"):
         docs = rendered[name]
         for role in ROLES:
             env = _env(_container(docs, role))
+            assert env["BATON_REDIS_USERNAME"] == {"name": "BATON_REDIS_USERNAME", "value": f"baton-{role}"}
             assert env["BATON_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
                 "name": "baton-redis",
-                "key": "password",
+                "key": f"{role}-password",
             }, role
             assert env["BATON_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {
                 "name": "baton-cluster",
@@ -155,9 +160,14 @@ def test_every_baton_container_gets_the_redis_password_and_the_cluster_secret(re
             assert "@" not in config["REDIS_URL"]
         redis = _container(docs, "redis")
         args, env = redis["args"], _env(redis)
-        assert _flag(args, "--requirepass") == "$(REDIS_PASSWORD)"
-        for var in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the server's, and its probes' redis-cli
-            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "baton-redis", "key": "password"}
+        # redis.conf from the Secret: the default user's password and the roles' ACL users.
+        assert args[0] == "/etc/baton/redis/redis.conf" and "--requirepass" not in args
+        assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {"name": "baton-redis", "key": "password"}
+        volumes = find(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["volumes"]
+        conf = next(v for v in volumes if "secret" in v)["secret"]
+        assert conf["secretName"] == "baton-redis" and conf["items"] == [
+            {"key": "redis.conf", "path": "redis.conf"}
+        ]
 
 
 # ---- internal gRPC on mutual TLS ---------------------------------------------------------------
