@@ -9,10 +9,12 @@ SAMPLING_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS``: the smallest temperature that is sampled rather than greedy."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of the fields.
-    Enforced by ``common/engine/structured.py`` (xgrammar); this module only checks the shape."""
+    Enforced by ``common/engine/structured.py`` (xgrammar); this module only checks the shape.
+    Its values are normalised when it is made (a dict schema to its JSON text, a choice list to a
+    tuple) and not changed after."""
 
     json: str | dict | None = None
     """A JSON schema (a dict or its JSON text); kept as JSON text, key order preserved."""
@@ -27,9 +29,9 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+            self.json = json.dumps(self.json, ensure_ascii=False)
         if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
+            self.choice = tuple(self.choice)
             if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a list of non-empty strings")
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -54,9 +56,11 @@ class StructuredOutputsParams:
         return self.kind, "" if value is True else str(value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
-    """How to sample one completion. Invalid values raise ``ValueError`` naming the parameter."""
+    """How to sample one completion. Invalid values raise ``ValueError`` naming the parameter.
+    Normalised when made (``stop`` and ``stop_token_ids`` to tuples), as vLLM's; a variant is made
+    with ``dataclasses.replace``, never by assigning a field of one in use."""
 
     n: int = 1
     """Completions per prompt."""
@@ -88,11 +92,8 @@ class SamplingParams:
     """Unvalidated pass-through for callers (request metadata)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
         self._validate()
 
     def _validate(self) -> None:
