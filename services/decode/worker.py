@@ -15,9 +15,7 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -34,33 +32,16 @@ from baton.common.engine.async_engine import (
 from baton.common.engine.config import EngineConfig
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.index.outage import OutageLog
-from baton.common.index.registry import WorkerInfo, WorkerRegistry
-from baton.common.metrics import (
-    EngineCollector,
-    RegistryRejectsCollector,
-    RequestMetrics,
-    TransferCollector,
-    serve_metrics,
-    stream_handoff,
-)
-from baton.common.net import free_port
+from baton.common.index.registry import WorkerInfo
+from baton.common.metrics import RegistryRejectsCollector, RequestMetrics, TransferCollector, stream_handoff
 from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
 from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector, RemotePrefillConfig
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
-from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.pod_cost import PodRef
-from baton.services.worker_base import (
-    advertised,
-    build_engine,
-    model_name,
-    serve_worker,
-    start_grpc,
-    start_heartbeat,
-    start_publisher,
-    worker_settings,
-)
+from baton.services.worker_base import serve_worker
+from baton.services.worker_shell import AddServicer, ShellConfig, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -214,26 +195,18 @@ def _chunk(d) -> baton_pb2.GenerateChunk:
     )
 
 
-class DecodeWorker:
-    """Owns the engine, servers and heartbeat of one decode worker. ``start()``, then ``drain()``
-    (SIGTERM) or ``stop()``. When the engine dies the worker leaves service by itself and calls
-    ``on_exit(EX_SOFTWARE)`` (``services/lifecycle.py``)."""
+class DecodeWorker(WorkerShell):
+    """One decode worker: the shell (engine, servers, heartbeat: ``services/worker_shell.py``), the
+    ``Decode`` service, and with a registry and not ``colocated`` the KV receiver and the prefill
+    workers it connects to. ``start()``, then ``drain()`` (SIGTERM: the streams in flight finish,
+    the rest end with UNAVAILABLE for the gateway to resume elsewhere) or ``stop()``."""
+
+    role = "decode"
+    work_rpcs = ("/baton.v1.Decode/Generate",)
 
     def __init__(self, config: DecodeWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
-        self._gate = RpcGate(["/baton.v1.Decode/Generate"])
-        self._lifecycle = Lifecycle(self._gate, self._leave_registry, self.stop, on_exit)
-        self._stopped = False
-        self.worker_id = config.worker_id or f"decode-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.grpc_port = config.grpc_port
-        self.metrics_port = config.metrics_port
-        self.engine: AsyncEngine | None = None
-        self.kv_address = ""
-        self._server: grpc.aio.Server | None = None
-        self._heartbeat = None
-        self._registry: WorkerRegistry | None = None
-        """Set with the heartbeat; where the prefill workers are read."""
-        self._publisher = None
+        super().__init__(ShellConfig.of(config), on_exit)
         self._receiver = None
         self._remote: RemotePrefill | None = None
         self._prefill_workers: list[WorkerInfo] = []
@@ -242,107 +215,70 @@ class DecodeWorker:
         """(id, address) of the prefill workers whose transport reaches this worker."""
         self._watcher: asyncio.Task | None = None
         self._registry_outage = OutageLog(log, "worker registry (prefill workers)")
-        self._metrics_server = None
         self._pod_cost = None
 
-    async def start(self) -> None:
+    def _engine_ready(
+        self, llm: LLMEngine, metrics: CollectorRegistry, labels: dict[str, str]
+    ) -> AddServicer:
+        assert self.engine is not None
+        metrics.register(RegistryRejectsCollector(self._num_rejected, labels))
+        request_metrics = RequestMetrics(metrics, labels)
+        if self.config.redis_url and not self.config.colocated:
+            self._start_receiver(llm, metrics, labels)
+        servicer = DecodeServicer(self.engine, request_metrics, self._remote, stream_handoff(metrics, labels))
+        return functools.partial(baton_pb2_grpc.add_DecodeServicer_to_server, servicer)
+
+    def _start_receiver(self, llm: LLMEngine, metrics: CollectorRegistry, labels: dict[str, str]) -> None:
+        """The KV receiver (one per tensor- or pipeline-parallel rank, each into its own cache:
+        ``tp_transfer``) and the remote prefills that land in it."""
         cfg = self.config
-        on_events = None
-        if cfg.redis_url:
-            self._publisher = start_publisher(
-                cfg.redis_url, model_name(cfg.engine), self.worker_id, cfg.prefix_index_max_entries
-            )
-            on_events = self._publisher.submit
-        self.engine = AsyncEngine(
-            functools.partial(build_engine, cfg.engine),
-            on_cache_events=on_events,
-            on_fatal=self._lifecycle.on_fatal(asyncio.get_running_loop()),
-        )
-        llm_engine = await asyncio.to_thread(self.engine.start)
-        registry = CollectorRegistry()
-        labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
-        registry.register(EngineCollector(llm_engine, labels))
-        registry.register(RegistryRejectsCollector(self._num_rejected, labels))
-        metrics = RequestMetrics(registry, labels)
-        if cfg.redis_url and not cfg.colocated:
-            # One receiver per tensor- or pipeline-parallel rank, each into its own cache (tp_transfer).
-            link = tp_transfer.rank_link(llm_engine)
-            self._receiver = tp_transfer.make_receiver(cfg.transfer, llm_engine, link)
-            descriptor = self._receiver.start()
-            self.kv_address = json.dumps(descriptor.to_dict())
-            registry.register(TransferCollector(self._receiver.stats, labels))
-            registry.register(tp_transfer.RankBytesCollector(self._receiver, labels))
-            from baton.common.index.client import connect
-            from baton.common.index.locations import BlockLocations, LocationRecorder
+        assert cfg.redis_url
+        self._receiver = tp_transfer.make_receiver(cfg.transfer, llm, tp_transfer.rank_link(llm))
+        descriptor = self._receiver.start()
+        self.kv_address = json.dumps(descriptor.to_dict())
+        metrics.register(TransferCollector(self._receiver.stats, labels))
+        metrics.register(tp_transfer.RankBytesCollector(self._receiver, labels))
+        from baton.common.index.client import connect
+        from baton.common.index.locations import BlockLocations, LocationRecorder
 
-            locations = LocationRecorder(
-                BlockLocations(connect(cfg.redis_url), llm_engine.model_name, ttl_s=cfg.prefill_timeout_s * 2)
-            )
-            locations.start()
-            self._remote = RemotePrefill(
-                self._receiver,
-                descriptor,
-                self._pick_prefill,
-                cfg.remote_prefill(),
-                locations=locations,
-                worker_id=self.worker_id,
-                bytes_per_token=tp_transfer.bytes_per_token(llm_engine),
-                kv_layout=tp_transfer.full_layout(llm_engine),
-                known_prefill=lambda: {w.grpc_address for w in self._prefill_workers},
-                rank_destinations=tp_transfer.rank_destinations(self._receiver),
-            )
-            registry.register(RemotePrefillCollector(self._remote, labels))
-        self.metrics_port = self.metrics_port or free_port(cfg.host)
-        self._metrics_server, _ = serve_metrics(self.metrics_port, cfg.host, registry)
-
-        remote = self._remote
-        self._server, self.grpc_port = await start_grpc(
-            cfg.host,
-            self.grpc_port,
-            lambda srv: baton_pb2_grpc.add_DecodeServicer_to_server(
-                DecodeServicer(self.engine, metrics, remote, stream_handoff(registry, labels)), srv
-            ),
-            self._gate,
-            cfg.grpc_tls,
+        locations = LocationRecorder(
+            BlockLocations(connect(cfg.redis_url), llm.model_name, ttl_s=cfg.prefill_timeout_s * 2)
         )
-        if cfg.redis_url:
-            self._start_heartbeat(llm_engine)
-        if cfg.pod is not None:
+        locations.start()
+        self._remote = RemotePrefill(
+            self._receiver,
+            descriptor,
+            self._pick_prefill,
+            cfg.remote_prefill(),
+            locations=locations,
+            worker_id=self.worker_id,
+            bytes_per_token=tp_transfer.bytes_per_token(llm),
+            kv_layout=tp_transfer.full_layout(llm),
+            known_prefill=lambda: {w.grpc_address for w in self._prefill_workers},
+            rank_destinations=tp_transfer.rank_destinations(self._receiver),
+        )
+        metrics.register(RemotePrefillCollector(self._remote, labels))
+
+    def _settings(self, llm: LLMEngine) -> dict:
+        return {"colocated": self.config.colocated, **tp_transfer.tp_settings(llm)}
+
+    def _load(self, llm: LLMEngine) -> dict[str, float]:
+        st = llm.stats()
+        return {
+            "num_running": st["num_requests_running"],
+            "num_waiting": st["num_requests_waiting"],
+            "free_blocks": st["num_free_blocks"],
+            "prefill_connected": len(self._connected),
+        }
+
+    async def _serving(self, llm: LLMEngine) -> None:
+        if self.config.pod is not None:
             from baton.services.pod_cost import start_reporter
 
-            self._pod_cost = start_reporter(cfg.pod, lambda: llm_engine.stats()["num_requests_running"])
+            self._pod_cost = start_reporter(self.config.pod, lambda: llm.stats()["num_requests_running"])
         if self._remote is not None:
             await self._refresh_prefill_workers()
             self._watcher = asyncio.create_task(self._watch_prefill_workers())
-        log.info("decode worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
-
-    def _start_heartbeat(self, llm_engine: LLMEngine) -> None:
-        cfg = self.config
-        assert cfg.redis_url
-        info = WorkerInfo(
-            id=self.worker_id,
-            role="decode",
-            grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
-            kv_address=self.kv_address,
-            metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
-            settings=worker_settings(
-                llm_engine, colocated=cfg.colocated, **tp_transfer.tp_settings(llm_engine)
-            ),
-        )
-
-        def load() -> dict[str, float]:
-            st = llm_engine.stats()
-            return {
-                "num_running": st["num_requests_running"],
-                "num_waiting": st["num_requests_waiting"],
-                "free_blocks": st["num_free_blocks"],
-                "prefill_connected": len(self._connected),
-            }
-
-        self._heartbeat, self._registry = start_heartbeat(
-            cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load,
-            publisher=self._publisher, engine=self.engine, secret=cfg.cluster_secret,
-        )  # fmt: skip
 
     def _num_rejected(self) -> int:
         """Prefill worker records this worker left out for their MAC (0 before it registers)."""
@@ -390,39 +326,18 @@ class DecodeWorker:
         best = min(workers, key=lambda w: (w.load.get("queued_prefill_tokens", 0.0), w.id))
         return best.grpc_address
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Leave service and let the streams in flight finish within ``timeout_s``; the rest end
-        with UNAVAILABLE (the gateway resumes them elsewhere). Then stop. Whether all finished."""
-        return await self._lifecycle.drain(timeout_s)
-
-    def _leave_registry(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()  # deletes the key: gateways stop routing here at their next read
-
-    async def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+    async def _stop_background(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
         if self._pod_cost is not None:
             self._pod_cost.stop()
-        if self._server is not None:
-            # Drained or dead: every work call has ended, what is left (health watches) needs no grace.
-            await self._server.stop(grace=0.2 if self._gate.refusal is not None else 2.0)
-        if self.engine is not None:
-            self.engine.stop()
+
+    async def _close(self) -> None:
         if self._remote is not None:
             await self._remote.close()
         if self._receiver is not None:
             self._receiver.close()
-        if self._publisher is not None:
-            self._publisher.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
 
 
 async def serve(

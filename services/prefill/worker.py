@@ -13,59 +13,38 @@ that finishes meanwhile frees its blocks as usual, the held ones stay in use unt
 Prefill RPC answers once every send has completed (awaited on the event loop, not the engine
 thread): a decode worker that stops reading costs this worker only the blocks held for it, while
 its engine goes on with other prompts.
+
+The gRPC service (a call's checks and the status each failure ends with) is ``service.py``; the
+servers, registry record, drain and stop are the shell's (``services/worker_shell.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import json
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.common.api.convert import params_from_proto, top_logprobs_to_proto
-from baton.common.engine.async_engine import AsyncEngine, EngineDeadError, EngineFullError
 from baton.common.engine.config import EngineConfig
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
-from baton.common.index.registry import WorkerInfo
-from baton.common.metrics import LATENCY_BUCKETS, EngineCollector, serve_metrics
-from baton.common.net import free_port
-from baton.common.transfer import (
-    KVSender,
-    TransferConfig,
-    TransferDescriptor,
-    TransferError,
-    TransferHandle,
-)
-from baton.common.transfer.base import BACKENDS
+from baton.common.metrics import LATENCY_BUCKETS
+from baton.common.transfer import KVSender, TransferConfig, TransferError, TransferHandle
 from baton.common.transfer.reshard import Shard
-from baton.protos import baton_pb2, baton_pb2_grpc
+from baton.protos import baton_pb2_grpc
 from baton.services import tp_transfer
 from baton.services.emulated import hold_transfer, transfer_model
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
-from baton.services.lifecycle import Lifecycle, RpcGate
-from baton.services.worker_base import (
-    advertised,
-    build_engine,
-    model_name,
-    serve_worker,
-    start_grpc,
-    start_heartbeat,
-    start_publisher,
-    worker_settings,
-)
+from baton.services.prefill.service import PrefillJob, PrefillServicer
+from baton.services.worker_base import serve_worker
+from baton.services.worker_shell import AddServicer, ShellConfig, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -103,28 +82,6 @@ class PrefillWorkerConfig:
     """Test-only fault injection (``baton prefill --fault-hold-payload-after-blocks``; 0: off): each
     prompt's KV stops in the middle of a message once this many of its blocks were sent
     (``TransferConfig.fault_hold_payload_after_blocks``), so that a kill lands mid-message."""
-
-
-@dataclass
-class _Job:
-    """One Prefill RPC in flight. Created on the event loop; advanced on the engine thread."""
-
-    request_id: str
-    prompt_len: int
-    skip_blocks: int
-    dst_block_ids: list[int]
-    sender: KVSender
-    sender_key: str
-    computed: int = 0
-    next_block: int = 0
-    """Index of the first prompt block not yet sent (starts at ``skip_blocks``)."""
-    started: float = 0.0
-    bytes_sent: int = 0
-    done: bool = False
-    error: str | None = None
-    finished: TransferHandle | None = None
-    """Every send of the prompt (``KVSender.finish``), once its last block was queued."""
-    sends: list[TransferHandle] = field(default_factory=list)
 
 
 class _TransferCollector:
@@ -165,168 +122,19 @@ class _TransferCollector:
         yield q
 
 
-class PrefillServicer(baton_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker):
-        self.worker = worker
+class PrefillWorker(WorkerShell):
+    """One prefill worker: the shell (engine, servers, heartbeat: ``services/worker_shell.py``), the
+    ``Prefill`` service (``service.py``), and the senders that push each prompt's KV from the engine
+    thread. ``start()``, then ``drain()`` (SIGTERM: the prefills in flight, their KV transfers
+    included, finish; the rest end with UNAVAILABLE and the decode worker prefills them itself) or
+    ``stop()``."""
 
-    async def _check_layout(self, requested: str, context) -> None:
-        """Refuse a destination whose cache blocks are not laid out like this worker's."""
-        own = self.worker.kv_layout
-        if requested and requested != own:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV layout mismatch: the decode worker's cache is {requested}, this prefill worker's is "
-                f"{own} (start both with the same --dtype, --kv-cache-dtype, --block-size and model)",
-            )
-
-    async def Prefill(self, request, context):
-        w = self.worker
-        assert w.engine is not None
-        llm = w.engine.engine
-        rid = request.request_id
-        ids = list(request.prompt_token_ids)
-        try:
-            if not rid:
-                raise ValueError("request_id must not be empty")
-            params = params_from_proto(request.params)  # one token here; min_tokens masks its stops too
-            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            llm.validate_prompt(ids)
-            bs = llm.config.block_size
-            skip = request.num_skip_tokens
-            if skip < 0 or skip % bs or skip > len(ids):
-                raise ValueError(
-                    f"num_skip_tokens must be a multiple of the block size {bs} in [0, {len(ids)}], got {skip}"
-                )
-            n_blocks = -(-len(ids) // bs)
-            want = n_blocks - skip // bs
-            if len(request.dst_block_ids) != want:
-                raise ValueError(
-                    f"expected {want} dst_block_ids for a {len(ids)}-token prompt skipping {skip} tokens, "
-                    f"got {len(request.dst_block_ids)}"
-                )
-            _descriptor(request.destination)
-            if rid in w.jobs:
-                raise ValueError(f"request_id {rid!r} is already in use")
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await self._check_layout(request.kv_layout, context)
-        dest, routes = await self._destination(request, context)
-
-        try:
-            key, sender = await w.sender_for(dest, routes)
-        except Exception as e:  # unreachable or bogus destination
-            w.transfer_failures_total += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
-
-        job = _Job(rid, len(ids), skip // bs, list(request.dst_block_ids), sender, key, next_block=skip // bs)
-        w.jobs[rid] = job
-        first = None
-        try:
-            async for d in w.engine.generate(rid, ids, params):
-                if d.token_ids and first is None:
-                    first = d
-                if d.finished:
-                    if first is None:
-                        first = d
-                    break
-        except ValueError as e:  # refused at admission
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineFullError as e:  # the waiting queue is full: the decode worker prefills itself
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except EngineDeadError as e:  # leaving service: the decode worker prefills it itself
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        finally:
-            w.jobs.pop(rid, None)
-            if not job.done:  # aborted: its sends are not waited for (their blocks are still held)
-                job.sender.finish(rid)
-        if job.error is not None:
-            await context.abort(grpc.StatusCode.DATA_LOSS, job.error)
-        if first is None or not first.token_ids:
-            reason = first.finish_reason if first is not None else "no output"
-            code = grpc.StatusCode.CANCELLED if reason == "abort" else grpc.StatusCode.INTERNAL
-            await context.abort(code, f"prefill of {rid!r} ended without a token ({reason})")
-        assert first is not None
-        if not job.done:  # cannot happen unless the engine skipped the hook
-            await context.abort(grpc.StatusCode.INTERNAL, f"KV of {rid!r} was not sent")
-        error = await w.sent(job)
-        if error is not None:
-            # DATA_LOSS, not UNAVAILABLE: this worker is alive and says the KV did not all arrive
-            # (and may have let go of blocks the receiver was still reading): recompute it all.
-            await context.abort(grpc.StatusCode.DATA_LOSS, error)
-        cached = first.num_cached_tokens
-        return baton_pb2.PrefillResponse(
-            request_id=rid,
-            first_token_id=first.token_ids[0],
-            first_logprob=first.logprobs[0] if first.logprobs else 0.0,
-            first_top_logprobs=top_logprobs_to_proto(first.top_logprobs[0]) if first.top_logprobs else None,
-            num_computed_tokens=len(ids) - cached,
-            num_cached_tokens=cached,
-            bytes_sent=job.bytes_sent,
-        )
-
-    async def _destination(self, request, context) -> tuple[tp_transfer.Destination, list]:
-        """The decode worker's ranks and which of this worker's ranks feeds which (re-sharded
-        when the two run at different tensor- or pipeline-parallel degrees)."""
-        w = self.worker
-        try:
-            dest = tp_transfer.destination(request, _descriptor, w.whole_kv)
-            return dest, tp_transfer.routes(w.rank_shards, dest, w.whole_kv)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # abort raises; for the type checker
-
-    async def Connect(self, request, context):
-        """Connect the KV transport to a decode worker ahead of its first prompt."""
-        try:
-            _descriptor(request.destination)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await self._check_layout(request.kv_layout, context)
-        dest, routes = await self._destination(request, context)
-        try:
-            await self.worker.sender_for(dest, routes)
-        except Exception as e:  # noqa: BLE001 - unreachable or bogus destination
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the KV receiver: {e}")
-        return baton_pb2.ConnectResponse()
-
-    async def Abort(self, request, context):
-        w = self.worker
-        assert w.engine is not None
-        for rid in request.request_ids:
-            w.engine.abort(rid)
-            w.jobs.pop(rid, None)
-        return baton_pb2.AbortResponse(num_aborted=len(request.request_ids))
-
-
-def _descriptor(msg: baton_pb2.TransferDescriptor) -> TransferDescriptor:
-    try:
-        if msg.extra_json:
-            d = TransferDescriptor.from_dict(json.loads(msg.extra_json))
-        else:
-            d = TransferDescriptor(msg.backend, host=msg.host, port=msg.port)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"bad destination descriptor: {e}") from e
-    if d.backend not in BACKENDS:
-        raise ValueError(f"destination backend must be one of {BACKENDS}, got {d.backend!r}")
-    return d
-
-
-class PrefillWorker:
-    """Owns the engine, servers, senders and heartbeat of one prefill worker. ``start()``, then
-    ``drain()`` (SIGTERM) or ``stop()``; a dead engine makes it leave service and call
-    ``on_exit(EX_SOFTWARE)`` (``services/lifecycle.py``)."""
+    role = "prefill"
+    work_rpcs = ("/baton.v1.Prefill/Prefill",)
 
     def __init__(self, config: PrefillWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
-        self._gate = RpcGate(["/baton.v1.Prefill/Prefill"])
-        self._lifecycle = Lifecycle(self._gate, self._leave_registry, self.stop, on_exit)
-        self._stopped = False
-        self.worker_id = config.worker_id or f"prefill-{config.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.grpc_port = config.grpc_port
-        self.metrics_port = config.metrics_port
-        self.engine: AsyncEngine | None = None
+        super().__init__(ShellConfig.of(config), on_exit)
         self.kv_layout = ""
         """``model_runner.kv_cache_layout`` of this worker's cache (all ranks' layers and heads),
         once started."""
@@ -335,7 +143,7 @@ class PrefillWorker:
         self.whole_kv = Shard((0, 0), (0, 0))
         """The model's layers and KV heads, once started."""
         self._link: Any = None  # kv_sharded.RankLink to the other ranks' senders (TP or PP)
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, PrefillJob] = {}
         self.bytes_sent_total = 0
         self.transfer_failures_total = 0
         self.num_sends_total = 0
@@ -349,77 +157,41 @@ class PrefillWorker:
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._transfer_seconds: Histogram | None = None
         self._transfer_model: Any = None  # an emulated worker's modelled transfer time (emulated.py)
-        self._server: grpc.aio.Server | None = None
-        self._heartbeat: Any = None
-        self._publisher: Any = None
-        self._metrics_server: Any = None
 
-    async def start(self) -> None:
-        cfg = self.config
-        on_events = None
-        if cfg.redis_url:
-            self._publisher = start_publisher(
-                cfg.redis_url, model_name(cfg.engine), self.worker_id, cfg.prefix_index_max_entries
-            )
-            on_events = self._publisher.submit
+    # -- the shell's hooks -----------------------------------------------------------------------
+    def _make_engine(self) -> LLMEngine:
+        engine = super()._make_engine()
+        engine.on_step_computed = self._on_step_computed  # after the warm-up: no job to push
+        return engine
 
-        def build() -> LLMEngine:
-            engine = build_engine(cfg.engine)
-            engine.on_step_computed = self._on_step_computed  # after the warm-up: no job to push
-            return engine
-
-        on_fatal = self._lifecycle.on_fatal(asyncio.get_running_loop())
-        self.engine = AsyncEngine(build, on_cache_events=on_events, on_fatal=on_fatal)
-        llm_engine = await asyncio.to_thread(self.engine.start)
-        self.kv_layout = tp_transfer.full_layout(llm_engine)
-        self.rank_shards = tp_transfer.rank_shards(llm_engine)
-        self.whole_kv = tp_transfer.all_of_model(llm_engine)
-        self._transfer_model = transfer_model(llm_engine, cfg.transfer.backend)
-        self._link = tp_transfer.rank_link(llm_engine)
-        registry = CollectorRegistry()
-        labels = {"model_name": llm_engine.model_name, "worker": self.worker_id}
-        registry.register(EngineCollector(llm_engine, labels))
-        registry.register(_TransferCollector(self, labels))
+    def _engine_ready(
+        self, llm: LLMEngine, metrics: CollectorRegistry, labels: dict[str, str]
+    ) -> AddServicer:
+        self.kv_layout = tp_transfer.full_layout(llm)
+        self.rank_shards = tp_transfer.rank_shards(llm)
+        self.whole_kv = tp_transfer.all_of_model(llm)
+        self._transfer_model = transfer_model(llm, self.config.transfer.backend)
+        self._link = tp_transfer.rank_link(llm)
+        metrics.register(_TransferCollector(self, labels))
         self._transfer_seconds = Histogram(
             "baton:kv_transfer_seconds",
             "Time from a prompt's first KV send to its last block landing.",
             list(labels),
             buckets=LATENCY_BUCKETS,
-            registry=registry,
+            registry=metrics,
         ).labels(**labels)
-        self.metrics_port = self.metrics_port or free_port(cfg.host)
-        self._metrics_server, _ = serve_metrics(self.metrics_port, cfg.host, registry)
+        return functools.partial(baton_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self))
 
-        self._server, self.grpc_port = await start_grpc(
-            cfg.host,
-            self.grpc_port,
-            lambda srv: baton_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), srv),
-            self._gate,
-            cfg.grpc_tls,
-        )
-        if cfg.redis_url:
-            info = WorkerInfo(
-                id=self.worker_id,
-                role="prefill",
-                grpc_address=f"{advertised(cfg.host, cfg.advertise_host)}:{self.grpc_port}",
-                kv_address="",
-                metrics_url=f"http://{advertised(cfg.host, cfg.advertise_host)}:{self.metrics_port}/metrics",
-                settings=worker_settings(llm_engine, **tp_transfer.tp_settings(llm_engine)),
-            )
+    def _settings(self, llm: LLMEngine) -> dict:
+        return tp_transfer.tp_settings(llm)
 
-            def load() -> dict[str, float]:
-                st = llm_engine.stats()
-                return {
-                    "queued_prefill_tokens": self.queued_prefill_tokens(),
-                    "num_running": st["num_requests_running"],
-                    "num_waiting": st["num_requests_waiting"],
-                }
-
-            self._heartbeat, _ = start_heartbeat(
-                cfg.redis_url, llm_engine.model_name, cfg.heartbeat_ttl_s, info, load,
-                publisher=self._publisher, engine=self.engine, secret=cfg.cluster_secret,
-            )  # fmt: skip
-        log.info("prefill worker %s serving gRPC on %s:%d", self.worker_id, cfg.host, self.grpc_port)
+    def _load(self, llm: LLMEngine) -> dict[str, float]:
+        st = llm.stats()
+        return {
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "num_running": st["num_requests_running"],
+            "num_waiting": st["num_requests_waiting"],
+        }
 
     # -- senders ---------------------------------------------------------------------------------
     async def sender_for(self, dest: tp_transfer.Destination, routes: list) -> tuple[str, KVSender]:
@@ -473,7 +245,7 @@ class PrefillWorker:
             except Exception as e:  # never let the engine loop die
                 self._fail(job, f"KV transfer of {job.request_id!r} failed: {e}")
 
-    def _advance(self, job: _Job, computed: int, block_ids: tuple[int, ...], bs: int) -> None:
+    def _advance(self, job: PrefillJob, computed: int, block_ids: tuple[int, ...], bs: int) -> None:
         job.computed = computed
         complete = computed >= job.prompt_len
         available = -(-job.prompt_len // bs) if complete else computed // bs
@@ -508,7 +280,7 @@ class PrefillWorker:
 
         handle.add_done_callback(lambda _: engine.call_soon(let_go))
 
-    def _maybe_pause_for_fault(self, job: _Job) -> None:
+    def _maybe_pause_for_fault(self, job: PrefillJob) -> None:
         """``fault_pause_after_blocks`` (test only): stop the engine thread once the first prompt's
         first N blocks have landed, as if the worker died mid-transfer."""
         n = self.config.fault_pause_after_blocks
@@ -524,7 +296,7 @@ class PrefillWorker:
         )
         self._fault_resume.wait()  # until stop(): the tests kill or stop the process meanwhile
 
-    async def sent(self, job: _Job) -> str | None:
+    async def sent(self, job: PrefillJob) -> str | None:
         """Wait (on the event loop) until every send of a finished job has completed; None when all
         did, else what failed. Bounded: each send fails at the transport's deadline."""
         assert job.finished is not None
@@ -544,39 +316,22 @@ class PrefillWorker:
             self._transfer_seconds.observe(time.monotonic() - job.started)
         return None
 
-    def _fail(self, job: _Job, message: str) -> None:
+    def _fail(self, job: PrefillJob, message: str) -> None:
         log.warning("%s", message)
         job.done = True
         job.error = message
         self.transfer_failures_total += 1
         self._drop_sender(job.sender_key, job.sender)
 
-    # -- registry --------------------------------------------------------------------------------
     def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the prefills in flight not computed yet (the registry record's load)."""
         return sum(max(0, j.prompt_len - j.computed) for j in list(self.jobs.values()))
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Leave service and let the prefills in flight, their KV transfers included, finish within
-        ``timeout_s``; the rest end with UNAVAILABLE (the decode worker prefills them itself).
-        Then stop. Whether all finished."""
-        return await self._lifecycle.drain(timeout_s)
-
-    def _leave_registry(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()  # deletes the key: decode workers stop picking it at their next read
-
     async def stop(self) -> None:
-        self._fault_resume.set()
-        if self._stopped:
-            return
-        self._stopped = True
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if self._server is not None:
-            # Drained or dead: every work call has ended, what is left (health watches) needs no grace.
-            await self._server.stop(grace=0.2 if self._gate.refusal is not None else 2.0)
-        if self.engine is not None:
-            self.engine.stop()
+        self._fault_resume.set()  # on every call: frees an engine thread the fault injection paused
+        await super().stop()
+
+    async def _close(self) -> None:
         with self._senders_lock:
             senders, self._senders = list(self._senders.values()), {}
         for s in senders:
@@ -584,10 +339,6 @@ class PrefillWorker:
                 await asyncio.to_thread(s.close)
             except Exception:
                 log.exception("closing a KV sender")
-        if self._publisher is not None:
-            self._publisher.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
 
 
 def _close_later(sender: KVSender) -> None:
