@@ -1,5 +1,5 @@
 """The KV cache's size as a fraction of a GPU's memory (vLLM's ``gpu_memory_utilization``).
-Pure: plain numbers in, no torch; the engine measures the device (``llm_engine._gpu_memory``)."""
+Pure: plain numbers in, no torch; the engine measures the device (``engine_build.gpu_memory``)."""
 
 from __future__ import annotations
 

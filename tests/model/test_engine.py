@@ -290,14 +290,14 @@ def test_incremental_text_is_always_a_prefix_of_the_whole_decode(llm_fp32):
     """Output text grows token by token (never re-decoding the whole output); at every step it is
     a prefix of what decoding the whole output gives, also when a character's UTF-8 bytes are
     split over several tokens, and the finished output is exactly the whole decode."""
-    from baton.common.engine.llm_engine import _IncrementalText
+    from baton.common.engine.output_processor import IncrementalText
 
     tok = llm_fp32.get_tokenizer()
     text = "Grüße aus Köln 🚀🎉 — 東京タワー, naïve café! <|im_end|> done"
     ids = tok.encode(text, add_special_tokens=False)
     backend = tok.backend_tokenizer
     for skip in (True, False):
-        inc = _IncrementalText(skip)
+        inc = IncrementalText(skip)
         whole = tok.decode(ids, skip_special_tokens=skip)
         seen = ""
         for n in range(1, len(ids) + 1):
@@ -320,4 +320,4 @@ def test_streamed_outputs_end_with_the_whole_decode(llm_fp32, ids):
         final.outputs[0].token_ids, skip_special_tokens=True
     )
     assert all(final.outputs[0].text.startswith(t) for t in texts)
-    assert "inc" not in engine._texts  # forgotten with the request
+    assert "inc" not in engine.output_processor._texts  # forgotten with the request
