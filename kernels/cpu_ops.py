@@ -18,7 +18,6 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from baton.env import KERNEL_CACHE, KERNEL_ISA
 from baton.kernels import isa
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
@@ -73,7 +73,7 @@ def cache_root() -> Path:
     """Where built kernels live: ``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``. Read
     at each call (not at import) so that ``baton build-kernels --cache-dir`` and an image's ENV
     both reach the workers' processes, which inherit it."""
-    return Path(os.environ.get("BATON_KERNEL_CACHE", Path.home() / ".cache" / "baton" / "kernels"))
+    return Path(KERNEL_CACHE.get())
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def choose(root: Path | None = None) -> str:
     """The build this process imports: ``BATON_KERNEL_ISA`` if set; else this CPU's own
     (``native``) where it is built; else the best built level this CPU runs (an image's); else
     ``native``, compiled (a compiler is then needed)."""
-    forced = os.environ.get("BATON_KERNEL_ISA")
+    forced = KERNEL_ISA.get()
     if forced:
         return isa.parse(forced)[0]
     if is_built(root, isa.NATIVE):
@@ -204,7 +204,7 @@ def load(root: Path | None = None) -> ModuleType:
     level = choose(root)
     if level != isa.NATIVE and level not in {lv.name for lv in isa.runnable(isa.cpu_flags())}:
         raise RuntimeError(
-            f"BATON_KERNEL_ISA={level}: this CPU lacks {sorted(isa.by_name(level).requires - isa.cpu_flags())}"
+            f"{KERNEL_ISA.name}={level}: this CPU lacks {sorted(isa.by_name(level).requires - isa.cpu_flags())}"
         )
     module = _import(build(root, level))
     global _loaded

@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.env import api_keys
 from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, PoolObservation
 from baton.planner.profile import Profile
 from baton.planner.sim_result import SLO, parse_slo
@@ -323,7 +323,7 @@ def run_autoscaler(a: argparse.Namespace) -> int:
         print(f"error: baton autoscaler: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    key = next((k.strip() for k in os.environ.get("BATON_API_KEY", "").split(",") if k.strip()), None)
+    key = next(iter(api_keys()), None)
     service = AutoscalerService(Autoscaler(profile, slo, a.colocated, cfg), a.gateway_url, http_get(key))
     server, _ = serve_metrics(a.port, a.host, service.registry)
     print(f"Autoscaler metrics: http://{a.host}:{server.server_port}/metrics", flush=True)

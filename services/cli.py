@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from baton.env import API_KEY, KERNEL_CACHE
 from baton.kernels import kv_cache_dtypes
 from baton.planner.cli import add_simulate_parser
 from baton.planner.plan_cli import add_plan_parser
@@ -565,7 +566,7 @@ def _front_door_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="KEY",
         help="a key clients must send as 'Authorization: Bearer KEY' on /v1/* and /workers (repeat for "
-        "several; BATON_API_KEY, comma-separated, adds more and stays out of ps)",
+        f"several; {API_KEY.name}, comma-separated, adds more and stays out of ps)",
     )
     p.add_argument(
         "--max-concurrent-requests",
@@ -581,9 +582,9 @@ def _front_door_args(p: argparse.ArgumentParser) -> None:
 def _front_door(a: argparse.Namespace) -> dict | None:
     """The gateway's front-door settings from the flags and ``BATON_API_KEY`` (read here, once);
     None, having said why, when one is unusable. Never prints a key."""
-    import os
+    from baton.env import api_keys
 
-    env = [k.strip() for k in os.environ.get("BATON_API_KEY", "").split(",") if k.strip()]
+    env = api_keys()
     keys = tuple(dict.fromkeys([*(a.api_key or []), *env]))
     if any(not k or not k.isascii() or not k.isprintable() or " " in k or "," in k for k in keys):
         print("error: an API key must be printable ASCII without spaces or commas", file=sys.stderr)
@@ -826,7 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument(
         "--cache-dir",
         default=None,
-        help="build under this folder (default: BATON_KERNEL_CACHE, else ~/.cache/baton/kernels)",
+        help=f"build under this folder (default: {KERNEL_CACHE.name}, else ~/.cache/baton/kernels)",
     )
     bk.add_argument(
         "--isa",

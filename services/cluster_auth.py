@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from baton.common.index import auth
 from baton.common.index.record_mac import SECRET_ENV
+from baton.env import CLUSTER_SECRET, REDIS_PASSWORD, REDIS_USERNAME
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ClusterAuth:
             auth.PASSWORD_ENV: self.redis_password or "",
             auth.PASSWORD_FILE_ENV: "",
             SECRET_ENV: self.cluster_secret or "",
-            f"{SECRET_ENV}_FILE": "",
+            CLUSTER_SECRET.file: "",
         }
 
 
@@ -75,18 +76,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--redis-password-file",
         default=None,
         metavar="PATH",
-        help="Redis's password is this file's content (or BATON_REDIS_PASSWORD_FILE, or the value in "
-        "BATON_REDIS_PASSWORD); a password inside --redis-url wins",
+        help=f"Redis's password is this file's content (or {REDIS_PASSWORD.file}, or the value in "
+        f"{REDIS_PASSWORD.name}); a password inside --redis-url wins",
     )
     p.add_argument(
-        "--redis-username", default=None, help="a Redis 6 ACL user to authenticate as (BATON_REDIS_USERNAME)"
+        "--redis-username",
+        default=None,
+        help=f"a Redis 6 ACL user to authenticate as ({REDIS_USERNAME.name})",
     )
     p.add_argument(
         "--cluster-secret-file",
         default=None,
         metavar="PATH",
         help="sign this service's registry records with the secret in this file and trust no record "
-        "without it (or BATON_CLUSTER_SECRET_FILE, or the value in BATON_CLUSTER_SECRET)",
+        f"without it (or {CLUSTER_SECRET.file}, or the value in {CLUSTER_SECRET.name})",
     )
 
 

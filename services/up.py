@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from baton.common.index import acl
 from baton.common.launch import python_module
+from baton.env import API_KEY
 from baton.services.cluster_auth import ClusterAuth
 from baton.services.procs import ProcessGroup, Supervisor, baton_command, wait_http_ok
 from baton.services.up_autoscale import UpAutoscale, UpAutoscaler, WorkerPool
@@ -343,7 +344,7 @@ def run_cluster(cfg: UpConfig) -> int:
                     args += ["--cpus", format_cpu_list(pins[n])]
                 n += 1
                 group.spawn(f"{role}-{i}", args, env=envs[role], log_path=log(f"{role}-{i}"))
-        keys = {"BATON_API_KEY": ",".join(cfg.api_keys)} if cfg.api_keys else {}
+        keys = {API_KEY.name: ",".join(cfg.api_keys)} if cfg.api_keys else {}
         gateway = gateway_command(cfg, url, num_prefill, front)
         group.spawn("gateway", gateway, env=envs["gateway"] | keys, log_path=log("gateway"))
         base = f"http://{cfg.host}:{cfg.port}"

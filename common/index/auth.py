@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-PASSWORD_ENV = "BATON_REDIS_PASSWORD"
-PASSWORD_FILE_ENV = "BATON_REDIS_PASSWORD_FILE"
-USERNAME_ENV = "BATON_REDIS_USERNAME"
+from baton.env import REDIS_PASSWORD, REDIS_USERNAME
+
+PASSWORD_ENV = REDIS_PASSWORD.name
+PASSWORD_FILE_ENV = REDIS_PASSWORD.file
+USERNAME_ENV = REDIS_USERNAME.name
 
 
 def read_secret(name: str, path: str | None, environ: Mapping[str, str]) -> str | None:

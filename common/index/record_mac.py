@@ -21,7 +21,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-SECRET_ENV = "BATON_CLUSTER_SECRET"
+from baton.env import CLUSTER_SECRET
+
+SECRET_ENV = CLUSTER_SECRET.name
 """The environment variable of the secret (``BATON_CLUSTER_SECRET_FILE``: a file holding it)."""
 MAC_FIELD = "mac"
 EXPIRES_FIELD = "expires_unix_s"

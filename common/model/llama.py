@@ -6,14 +6,13 @@ that a layer runs four GEMMs. Tokens of all requests in a step are one flat batc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baton.common.model.attention import AttentionMetadata, paged_attention
 from baton.common.model.config import LlamaConfig
+from baton.env import BF16_GEMM
 from baton.kernels import fused
 
 
@@ -99,9 +98,9 @@ def own_bf16_gemm() -> bool:
     where it was compiled in."""
     from baton.kernels import cpu_ops
 
-    choice = os.environ.get("BATON_BF16_GEMM", "auto")
+    choice = BF16_GEMM.get()
     if choice not in ("auto", "baton", "onednn"):
-        raise ValueError(f"BATON_BF16_GEMM must be auto, baton or onednn, not {choice!r}")
+        raise ValueError(f"{BF16_GEMM.name} must be auto, baton or onednn, not {choice!r}")
     if choice == "onednn" or not cpu_ops.bf16_gemm_available():
         return False
     return choice == "baton" or not cpu_ops.has_amx_bf16()

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.env import CACHE_DIR
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -59,7 +61,7 @@ class ModelSource:
 # -- tokenizer ----------------------------------------------------------------------------------
 def cache_dir() -> str:
     """Where Baton keeps what it derives from a model once: its tokenizer, its GGUF tensors."""
-    return os.environ.get("BATON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "baton"))
+    return CACHE_DIR.get()
 
 
 def load_tokenizer(source: ModelSource):
