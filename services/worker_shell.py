@@ -10,7 +10,6 @@ and the hooks below; the pieces themselves are ``services/worker_base.py``'s.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import uuid
@@ -47,7 +46,8 @@ AddServicer = Callable[[grpc.aio.Server], None]
 
 @dataclass(frozen=True)
 class ShellConfig:
-    """The slice of a worker's config that its shell runs by (``ShellConfig.of``)."""
+    """What every worker's config holds and its shell runs by: ``DecodeWorkerConfig`` and
+    ``PrefillWorkerConfig`` add their own fields to these."""
 
     engine: EngineConfig
     """The engine the worker serves."""
@@ -62,7 +62,7 @@ class ShellConfig:
     cluster_secret: bytes | None = field(default=None, repr=False)
     """Signs the registry record; only records signed with it are trusted. None: unsigned."""
     grpc_tls: GrpcTLS = PLAINTEXT
-    """TLS of the gRPC server (``services/grpc_tls.py``)."""
+    """TLS of the worker's gRPC server and of its channels to other workers (``services/grpc_tls.py``)."""
     advertise_host: str = ""
     """The address others reach the worker at; empty: ``host``, or this machine's if a wildcard."""
     worker_id: str = ""
@@ -71,12 +71,6 @@ class ShellConfig:
     """Lifetime of the registry record without a beat."""
     prefix_index_max_entries: int = 1_000_000
     """Bound on the model's prefix index in Redis (block hashes)."""
-
-    @classmethod
-    def of(cls, config: Any) -> ShellConfig:
-        """The shell's fields of a worker's config (``DecodeWorkerConfig``, ``PrefillWorkerConfig``:
-        both name them alike)."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 class WorkerShell:

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -29,7 +29,6 @@ from baton.common.engine.async_engine import (
     EngineFullError,
     RequestFailedError,
 )
-from baton.common.engine.config import EngineConfig
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.index.outage import OutageLog
 from baton.common.index.registry import WorkerInfo
@@ -38,7 +37,6 @@ from baton.common.transfer import TransferConfig
 from baton.protos import baton_pb2, baton_pb2_grpc
 from baton.services import tp_transfer
 from baton.services.decode.remote_prefill import RemotePrefill, RemotePrefillCollector, RemotePrefillConfig
-from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.pod_cost import PodRef
 from baton.services.worker_base import serve_worker
 from baton.services.worker_shell import AddServicer, ShellConfig, WorkerShell
@@ -47,28 +45,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DecodeWorkerConfig:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    """Address the gRPC and metrics servers bind and advertise."""
-    grpc_port: int = 0
-    """0 picks a free port."""
-    metrics_port: int = 0
-    redis_url: str | None = None
-    """Registry to join; None runs unregistered (tests, a single worker)."""
-    cluster_secret: bytes | None = field(default=None, repr=False)
-    """Signs this worker's registry record, and only records signed with it are trusted
-    (``common/index/record_mac.py``); None: records are neither signed nor checked."""
-    grpc_tls: GrpcTLS = PLAINTEXT
-    """TLS of this worker's gRPC server and of its channels to prefill workers."""
-    advertise_host: str = ""
-    """The address other services reach this worker at (its registry record); empty: ``host``,
-    or this machine's address when ``host`` is a wildcard (``0.0.0.0`` in a container)."""
-    worker_id: str = ""
-    """Defaults to ``decode-<host>-<pid>-<random>``."""
-    heartbeat_ttl_s: float = 6.0
-    prefix_index_max_entries: int = 1_000_000
-    """Bound on the model's prefix index in Redis (block hashes)."""
+class DecodeWorkerConfig(ShellConfig):
+    """A decode worker: its shell's settings (``ShellConfig``: engine, addresses, registry, TLS)
+    and its own."""
+
     transfer: TransferConfig = TransferConfig()
     """The KV transport this worker receives on."""
     remote_prefill_threshold: int = 32
@@ -206,7 +186,7 @@ class DecodeWorker(WorkerShell):
 
     def __init__(self, config: DecodeWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
-        super().__init__(ShellConfig.of(config), on_exit)
+        super().__init__(config, on_exit)
         self._receiver = None
         self._remote: RemotePrefill | None = None
         self._prefill_workers: list[WorkerInfo] = []

@@ -32,7 +32,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.common.engine.config import EngineConfig
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.engine.scheduler import SchedulerOutput
 from baton.common.metrics import LATENCY_BUCKETS
@@ -41,7 +40,6 @@ from baton.common.transfer.reshard import Shard
 from baton.protos import baton_pb2_grpc
 from baton.services import tp_transfer
 from baton.services.emulated import hold_transfer, transfer_model
-from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.prefill.service import PrefillJob, PrefillServicer
 from baton.services.worker_base import serve_worker
 from baton.services.worker_shell import AddServicer, ShellConfig, WorkerShell
@@ -50,28 +48,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PrefillWorkerConfig:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    """Address the gRPC and metrics servers bind and advertise."""
-    grpc_port: int = 0
-    """0 picks a free port."""
-    metrics_port: int = 0
-    redis_url: str | None = None
-    """Registry to join; None runs unregistered (tests, a single worker)."""
-    cluster_secret: bytes | None = field(default=None, repr=False)
-    """Signs this worker's registry record, and only records signed with it are trusted
-    (``common/index/record_mac.py``); None: records are neither signed nor checked."""
-    advertise_host: str = ""
-    """The address other services reach this worker at (its registry record); empty: ``host``,
-    or this machine's address when ``host`` is a wildcard (``0.0.0.0`` in a container)."""
-    worker_id: str = ""
-    """Defaults to ``prefill-<host>-<pid>-<random>``."""
-    heartbeat_ttl_s: float = 6.0
-    prefix_index_max_entries: int = 1_000_000
-    """Bound on the model's prefix index in Redis (block hashes)."""
-    grpc_tls: GrpcTLS = PLAINTEXT
-    """TLS of this worker's gRPC server (``services/grpc_tls.py``)."""
+class PrefillWorkerConfig(ShellConfig):
+    """A prefill worker: its shell's settings (``ShellConfig``: engine, addresses, registry, TLS)
+    and its own."""
+
     transfer: TransferConfig = field(default_factory=TransferConfig)
     """KV transport settings; the backend of each sender is the one its destination names."""
     fault_pause_after_blocks: int = 0
@@ -134,7 +114,7 @@ class PrefillWorker(WorkerShell):
 
     def __init__(self, config: PrefillWorkerConfig, on_exit: Callable[[int], None] | None = None):
         self.config = config
-        super().__init__(ShellConfig.of(config), on_exit)
+        super().__init__(config, on_exit)
         self.kv_layout = ""
         """``model_runner.kv_cache_layout`` of this worker's cache (all ranks' layers and heads),
         once started."""
