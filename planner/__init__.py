@@ -1,2 +1,2 @@
 """Sizing and scaling the pools: worker profiles, the simulator, the planner and the autoscaler's
-decisions. Pure: imports no torch (tests/unit/test_pure_core.py)."""
+decisions. Pure: imports no torch (tests/unit/test_pure_imports.py)."""
