@@ -24,9 +24,12 @@ class Var:
     default: str | None = None
 
     def get(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """Its value (an empty one counts as unset), else the default."""
+        """Its value (an empty one counts as unset), else the default; a default under ``~`` is
+        under the home of the moment (``$HOME`` read now, not at import)."""
         value = (os.environ if environ is None else environ).get(self.name)
-        return value if value else self.default
+        if value:
+            return value
+        return os.path.expanduser(self.default) if self.default else self.default
 
     @property
     def file(self) -> str:
@@ -34,14 +37,10 @@ class Var:
         return f"{self.name}_FILE"
 
 
-def _home_cache(*parts: str) -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "baton", *parts)
-
-
 CACHE_DIR = Var(
-    "BATON_CACHE_DIR", "what is derived from a model once: its tokenizer, its GGUF tensors", _home_cache()
+    "BATON_CACHE_DIR", "what is derived from a model once: its tokenizer, its GGUF tensors", "~/.cache/baton"
 )
-KERNEL_CACHE = Var("BATON_KERNEL_CACHE", "where the built CPU kernels live", _home_cache("kernels"))
+KERNEL_CACHE = Var("BATON_KERNEL_CACHE", "where the built CPU kernels live", "~/.cache/baton/kernels")
 KERNEL_ISA = Var("BATON_KERNEL_ISA", "the x86 level of the CPU kernels to load (avx2, avx512bf16, amx...)")
 BF16_GEMM = Var("BATON_BF16_GEMM", "bf16 weights' GEMM: auto, baton (ours) or onednn", "auto")
 API_KEY = Var("BATON_API_KEY", "the API keys the gateway asks for (comma-separated)")

@@ -4,6 +4,7 @@ other product module spells a ``BATON_`` name in its code (docstrings and commen
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def test_no_module_but_baton_env_spells_a_baton_variable():
             docs = _docstrings(tree)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-                    found += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in NAME.findall(node.value)]
+                    found += [
+                        f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in NAME.findall(node.value)
+                    ]
     assert found == [], "read these through baton.env:\n" + "\n".join(found)
 
 
@@ -51,4 +54,13 @@ def test_each_variable_is_named_once_and_reads_its_default_when_unset():
     assert env.BF16_GEMM.get({}) == "auto" and env.BF16_GEMM.get({"BATON_BF16_GEMM": ""}) == "auto"
     assert env.KERNEL_ISA.get({}) is None and env.KERNEL_ISA.get({"BATON_KERNEL_ISA": "avx2"}) == "avx2"
     assert env.REDIS_PASSWORD.file == "BATON_REDIS_PASSWORD_FILE"
+    home = os.environ.get("HOME")
+    try:  # the home of the moment, not of the import (a test, a pod's HOME)
+        os.environ["HOME"] = "/elsewhere"
+        assert env.CACHE_DIR.get({}) == "/elsewhere/.cache/baton"
+    finally:
+        if home is None:
+            del os.environ["HOME"]
+        else:
+            os.environ["HOME"] = home
     assert env.api_keys({"BATON_API_KEY": " a, ,b "}) == ["a", "b"] and env.api_keys({}) == []
