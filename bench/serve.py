@@ -10,6 +10,9 @@ a gamma process of the given rate (Poisson at ``burstiness`` 1), optionally capp
 - ``w3``: groups of prompts sharing a prefix (8 groups × 1,024-token prefix + 64 unique tokens,
   64 output tokens); reports the prefix-cache hit rate against the best possible and the TTFT of
   hits against the group's first (cold) request, from ``usage.prompt_tokens_details.cached_tokens``.
+- a trace (``--trace``, the JSONL or CSV ``baton simulate --trace`` reads: ``timestamp``,
+  ``input_len``, ``output_len``): each row sent at its time with a random prompt of its length, so
+  that a real run and a simulation replay the same requests (``bench fidelity``).
 - ``w4``: multi-turn conversations (16 × 4 turns; each turn appends 64 user tokens and the previous
   reply's token ids to the history); reports the KV bytes that Baton moved per turn against the
   bytes of the turn's new tokens (``usage.kv_transfer_bytes``, a Baton extension) and needs the
@@ -46,11 +49,13 @@ from baton.bench.serve_workload import (
     WORKLOADS,
     RequestSpec,
     arrival_delays,
+    trace_requests,
     w2_requests,
     w3_requests,
     w4_user_turns,
     warm_up_request,
 )
+from baton.planner.workload import load_trace
 
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
 
@@ -75,6 +80,9 @@ class BenchConfig:
     timeout_s: float = 600.0
     progress: bool = True
     label: str = ""
+    trace: list[tuple[float, int, int]] | None = None
+    """Rows ``(seconds since the first, prompt tokens, output tokens)`` to replay instead of the
+    workload's requests and arrivals (``w2`` prompts)."""
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
@@ -83,11 +91,13 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     import httpx
     from tqdm import tqdm
 
+    if cfg.trace is not None and (cfg.workload != "w2" or not cfg.trace):
+        raise ValueError("a trace replays w2's kind of requests, and needs at least one row")
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {cfg.workload!r}")
     d_num, d_in, d_out = WORKLOAD_DEFAULTS[cfg.workload]
-    num = cfg.num_prompts or d_num
-    in_len = cfg.input_len or d_in
+    num = len(cfg.trace) if cfg.trace else cfg.num_prompts or d_num
+    in_len = cfg.trace[0][1] if cfg.trace else cfg.input_len or d_in
     out_len = cfg.output_len or d_out
     base = cfg.base_url.rstrip("/")
     url = f"{base}/v1/completions"
@@ -117,6 +127,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
             bar.total = num_convs * cfg.num_turns
             users = w4_user_turns(num_convs, cfg.num_turns, in_len, cfg.seed)
             await run_conversations(one, users, out_len, _delays(cfg, num_convs))
+        elif cfg.trace:
+            specs, delays = trace_requests(cfg.trace, cfg.seed)
+            await start_at_arrivals(lambda i: one(specs[i]), delays)
         else:
             specs = _open_loop_requests(cfg, num, in_len, out_len)
             await start_at_arrivals(lambda i: one(specs[i]), _delays(cfg, len(specs)))
@@ -155,7 +168,7 @@ def _result(cfg: BenchConfig, model: str, results: Sequence[RequestResult], dura
         label=cfg.label,
         base_url=cfg.base_url,
         model=model,
-        workload=cfg.workload,
+        workload="trace" if cfg.trace else cfg.workload,
         request_rate=cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         burstiness=cfg.burstiness,
         max_concurrency=cfg.max_concurrency,
@@ -205,6 +218,13 @@ def register(bench_subparsers) -> None:
     p.add_argument(
         "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
     )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="replay a JSONL or CSV of timestamp,input_len,output_len (as baton simulate --trace) instead"
+        " of the workload's arrivals and lengths",
+    )
     p.add_argument("--num-groups", type=int, default=8, help="W3: prefix groups")
     p.add_argument("--prefix-len", type=int, default=1024, help="W3: shared prefix tokens")
     p.add_argument("--num-turns", type=int, default=4, help="W4: turns per conversation")
@@ -226,6 +246,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
     try:
         slos = parse_goodput(a.goodput)
+        trace = list(load_trace(a.trace)) if a.trace else None
         if a.request_rate <= 0 or a.burstiness <= 0:
             raise ValueError("--request-rate and --burstiness must be positive")
         for name in ("num_prompts", "input_len", "output_len", "max_concurrency"):
@@ -253,10 +274,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         timeout_s=a.timeout,
         progress=not a.disable_tqdm,
         label=a.label,
+        trace=trace,
     )
     try:
         result = asyncio.run(run_benchmark(cfg))
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(result))

@@ -79,6 +79,15 @@ def w4_user_turns(num_convs: int, num_turns: int, user_len: int, seed: int) -> l
     return [[random_ids(rng, user_len) for _ in range(num_turns)] for _ in range(num_convs)]
 
 
+def trace_requests(rows: list[tuple[float, int, int]], seed: int) -> tuple[list[RequestSpec], list[float]]:
+    """A replayed trace's requests (random prompts of each row's length, ``w2``'s kind) and the gaps
+    before each: rows are ``(seconds since the first row, prompt tokens, output tokens)``, in order."""
+    rng = random.Random(f"trace-{seed}")
+    specs = [RequestSpec(random_ids(rng, n_in), n_out) for _, n_in, n_out in rows]
+    times = [t for t, _, _ in rows]
+    return specs, [b - a for a, b in zip([times[0], *times], times)]
+
+
 def warm_up_request(prompt_len: int, seed: int) -> RequestSpec:
     """One request of ``prompt_len`` tokens of its own random ids (so it warms no prefix), 4 out."""
     return RequestSpec(random_ids(random.Random(f"warm-{seed}"), prompt_len), 4)

@@ -7,7 +7,7 @@ import pytest
 from baton.bench.serve import parse_goodput
 from baton.bench.serve_client import RequestResult
 from baton.bench.serve_report import format_table, is_good, summarize, summarize_w3, summarize_w4
-from baton.bench.serve_workload import arrival_delays, w2_requests, w3_requests
+from baton.bench.serve_workload import arrival_delays, trace_requests, w2_requests, w3_requests
 
 
 def test_w2_is_reproducible_and_in_range():
@@ -112,3 +112,12 @@ def test_w4_bytes_per_turn_against_the_new_tokens():
     assert w4["per_turn"]["1"]["bytes_over_delta"] == pytest.approx(1.0)
     assert w4["per_turn"]["2"]["bytes_over_delta"] == pytest.approx(1.25)
     assert w4["bytes_over_delta"] == pytest.approx(144 / 128)
+
+
+def test_a_trace_is_replayed_at_its_times_and_lengths():
+    rows = [(0.0, 12, 3), (0.25, 40, 7), (1.0, 5, 1)]
+    specs, gaps = trace_requests(rows, seed=0)
+    assert [len(s.prompt_token_ids) for s in specs] == [12, 40, 5]
+    assert [s.output_len for s in specs] == [3, 7, 1]
+    assert gaps == pytest.approx([0.0, 0.25, 0.75])  # the loop sleeps each gap, then sends
+    assert specs == trace_requests(rows, seed=0)[0]

@@ -1,0 +1,76 @@
+"""``baton bench fidelity``'s pure parts: mixes, arrivals, the predicted capacity and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from baton.bench.fidelity import (
+    closed_form_capacity,
+    errors,
+    format_report,
+    parse_arrival,
+    parse_mix,
+    predicted_capacity,
+)
+from baton.planner.layout import parse_layout
+from baton.planner.profile import Profile
+from baton.planner.sim_result import SLO
+from baton.planner.simulate import simulate
+from baton.planner.workload import Workload
+
+PROFILE = Path(__file__).resolve().parents[2] / "docs/bench/profiles/zen4-avx512bf16-bf16.json"
+
+
+def test_mixes_and_arrivals_parse_or_say_why():
+    m = parse_mix("uniform:64:256/32")
+    assert (m.input_len.kind, m.input_len.a, m.input_len.b, m.output_len.a) == ("uniform", 64, 256, 32)
+    assert parse_arrival("poisson") == ("poisson", 1.0)
+    assert parse_arrival("gamma:2") == ("gamma", 2.0)
+    for bad in ("256", "256/x"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+    for bad in ("gamma", "gamma:0", "gamma:x", "poisson:2", "burst"):
+        with pytest.raises(ValueError, match="poisson or gamma"):
+            parse_arrival(bad)
+
+
+def test_the_predicted_capacity_is_where_simulated_attainment_crosses_90_percent():
+    profile = Profile.load(PROFILE)
+    slo, mix = SLO(1500.0, 60.0), parse_mix("256/64")
+    for text in ("colocated", "1p1d"):
+        layout = parse_layout(text)
+        cap = predicted_capacity(profile, layout, mix, slo, seed=0)
+        assert cap > 0
+        at = simulate(profile, layout, Workload(cap, 400, mix.input_len, mix.output_len), slo)
+        over = simulate(profile, layout, Workload(1.5 * cap, 400, mix.input_len, mix.output_len), slo)
+        assert at.slo_attainment >= 0.9 > over.slo_attainment, (text, cap)
+        assert closed_form_capacity(profile, layout, mix, slo) > 0
+
+
+def _run(pred: float, meas: float, rule: float, ttft=(100.0, 100.0), tpot=(50.0, 50.0)) -> dict:
+    return dict(
+        layout="1p1d", mix="256/64", arrival="poisson", load=0.6, rate=1.0, num_prompts=40,
+        predicted_attainment=pred, measured_attainment=meas, baseline_attainment=rule,
+        predicted_p90_ttft_ms=ttft[0], measured_p90_ttft_ms=ttft[1],
+        predicted_p90_tpot_ms=tpot[0], measured_p90_tpot_ms=tpot[1],
+    )  # fmt: skip
+
+
+def test_errors_count_points_on_every_run_and_latency_only_where_half_is_served():
+    runs = [
+        _run(0.95, 0.90, 1.0, ttft=(110.0, 100.0), tpot=(40.0, 50.0)),
+        _run(0.20, 0.40, 0.8, ttft=(9e9, 1.0), tpot=(9e9, 1.0)),  # under 50%: no latency error
+    ]
+    e = errors(runs)
+    assert e["attainment_mean_pts"] == pytest.approx(12.5)
+    assert e["attainment_max_pts"] == pytest.approx(20.0)
+    assert e["runs_within_5_pts"] == 1
+    assert e["baseline_mean_pts"] == pytest.approx(25.0)
+    assert e["latency_runs"] == 1
+    assert e["p90_ttft_mean_pct"] == pytest.approx(10.0)
+    assert e["p90_tpot_max_pct"] == pytest.approx(20.0)
+    assert (e["p90_ttft_within_15"], e["p90_tpot_within_15"]) == (1, 0)
+    text = format_report(runs)
+    assert "| 1p1d | 256/64 | poisson | 60% |" in text and "2 runs." in text
