@@ -81,14 +81,14 @@ def _workers(base: str) -> list[dict]:
     return httpx.get(f"{base}/workers", timeout=5).json()["workers"]
 
 
-def _generated(metrics_url: str) -> float:
+def _counter(metrics_url: str, name: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("baton:generation_tokens_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _generated(metrics_url: str) -> float:
+    return _counter(metrics_url, "baton:generation_tokens_total")
 
 
 class _Drain(threading.Thread):
@@ -109,8 +109,8 @@ class _Drain(threading.Thread):
 class _Load:
     """Clients streaming short greedy completions back to back until ``stop``; each result kept."""
 
-    def __init__(self, base: str, model: str, clients: int) -> None:
-        self.base, self.model, self.stop = base, model, threading.Event()
+    def __init__(self, base: str, model: str, clients: int, prompts: list[list[int]] = PROMPTS) -> None:
+        self.base, self.model, self.stop, self.prompts = base, model, threading.Event(), prompts
         self.results: list[tuple[int, list[int]]] = []
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -118,9 +118,9 @@ class _Load:
     def _run(self, i: int) -> None:
         n = i
         while not self.stop.is_set():
-            p = n % len(PROMPTS)
+            p = n % len(self.prompts)
             try:
-                self.results.append((p, _stream(self.base, _body(self.model, PROMPTS[p], SHORT))))
+                self.results.append((p, _stream(self.base, _body(self.model, self.prompts[p], SHORT))))
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(e)
                 return
@@ -197,3 +197,49 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
         stop_up(proc)
         out.join(timeout=30)
         print("".join(line for line in out.lines if "autoscale" in line or "->" in line or "retire" in line))
+
+
+PD_PROMPTS = [list(range(100 + 7 * i, 148 + 7 * i)) for i in range(3)]
+"""48 tokens each: past the remote-prefill threshold, so the prefill worker computes every one."""
+
+
+def test_load_adds_a_decode_worker_beside_the_prefill_pool_and_the_kv_crosses_into_it(tmp_path, monkeypatch):
+    """``--layout 1p1d --autoscale``: the decode pool grows 1 -> 2 under load (the prefill pool held
+    at 1); the new decode worker receives prompts' KV from the prefill worker, and every stream
+    across the step has a single engine's tokens."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["--model", str(model), "--layout", "1p1d", *ENGINE_FLAGS, "--drain-timeout", "120"]
+    args += ["--autoscale", "--profile", _slow_profile(tmp_path / "profile.json")]
+    args += ["--slo", "ttft:2000", "tpot:600", "--autoscale-interval", "2", "--autoscale-cold-start", "10"]
+    args += ["--autoscale-cooldown", "600", "--autoscale-min-prefill", "1", "--autoscale-max-prefill", "1"]
+    args += ["--autoscale-min-decode", "1", "--autoscale-max-decode", "2"]
+    port, proc = start_up(args, tmp_path / "logs")
+    out = _Drain(proc)
+    out.start()
+    base, name = f"http://127.0.0.1:{port}", model.name
+    kv = "baton:kv_transfer_bytes_total"
+    try:
+        assert sorted(w["role"] for w in _workers(base)) == ["decode", "prefill"]
+        reference = {i: _complete(base, _body(name, p, SHORT)) for i, p in enumerate(PD_PROMPTS)}
+        with _Load(base, name, clients=3, prompts=PD_PROMPTS) as load:
+            two = wait_for(
+                lambda: len(d := [w for w in _workers(base) if w["role"] == "decode"]) == 2 and d,
+                180,
+                "a second decode worker",
+            )
+            wait_for(
+                lambda: all(_counter(w["metrics_url"], kv) > 0 for w in two),
+                120,
+                "KV into both decode workers",
+            )
+            served = len(load.results)
+            wait_for(lambda: len(load.results) >= served + 6, 120, "streams after the step")
+        assert not load.errors, load.errors
+        assert all(tokens == reference[p] for p, tokens in load.results), "a stream's tokens differ"
+        assert "autoscale: started decode-1" in out.text()
+        assert [w["role"] for w in _workers(base)].count("prefill") == 1
+    finally:
+        stop_up(proc)
+        out.join(timeout=30)
+        print("".join(line for line in out.lines if "autoscale" in line or "->" in line))
