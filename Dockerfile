@@ -50,6 +50,7 @@ COPY services services
 COPY protos protos
 COPY bench bench
 COPY planner planner
+COPY cli cli
 RUN pip install --no-deps .
 # Kernels for every declared level (objects dropped: a process imports only the libraries), then
 # one prompt served offline on the build's own CPU: a broken image fails here. That run also fills

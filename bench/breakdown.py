@@ -83,7 +83,7 @@ class Breakdown:
 def start_cluster(up_args: tuple[str, ...], logs: Path, timeout_s: float) -> tuple[subprocess.Popen, int]:
     """``baton up`` on a free port in its own process group; returns once it says it is ready."""
     port = free_port()
-    cmd = [*python_module("baton.services.cli"), "up", "--port", str(port), "--log-dir", str(logs)]
+    cmd = [*python_module("baton.cli"), "up", "--port", str(port), "--log-dir", str(logs)]
     proc = subprocess.Popen(
         [*cmd, *up_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

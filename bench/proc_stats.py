@@ -53,8 +53,8 @@ def cluster_pids(up_pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
     counts: dict[str, int] = {}
     for pid, cmd in sorted(children):
-        if b"baton.services.cli" in cmd:
-            role = cmd[cmd.index(b"baton.services.cli") + 1].decode()
+        if b"baton.cli" in cmd:
+            role = cmd[cmd.index(b"baton.cli") + 1].decode()
         elif cmd and cmd[0].endswith(b"redis-server"):
             role = "redis"
         else:

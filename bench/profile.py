@@ -49,6 +49,7 @@ from baton.bench.profile_plan import (
     shape_mismatch,
 )
 from baton.bench.transfer_peers import PeerError
+from baton.common.engine import config_flags
 from baton.planner.profile import EngineShape, Machine, Profile, drift
 
 GATEWAY_PROMPT = "The quick brown fox jumps over the lazy dog. " * 24
@@ -240,9 +241,8 @@ def format_profile(profile: Profile) -> str:
 
 
 # -- command line ----------------------------------------------------------------------------------
-def register(subparsers, engine_args: Callable, engine_kwargs: Callable) -> None:
-    """``baton profile``, with ``baton generate``'s engine flags (``engine_args`` declares them on a
-    parser, ``engine_kwargs`` turns the parsed flags into ``EngineConfig`` fields)."""
+def register(subparsers) -> None:
+    """``baton profile``, with ``baton generate``'s engine flags."""
     p = subparsers.add_parser("profile", help="measure this machine's costs for the simulator and planner")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--output", metavar="P.json", help="measure, fit and write the profile here")
@@ -252,8 +252,8 @@ def register(subparsers, engine_args: Callable, engine_kwargs: Callable) -> None
     p.add_argument("--quick", action="store_true", help="a small grid (tests; well under a minute)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="--check's bound on each model's drift")
     p.add_argument("--seed", type=int, default=0)
-    engine_args(p)
-    p.set_defaults(func=lambda a: cmd_profile(a, engine_kwargs(a)))
+    config_flags.add_engine_args(p)
+    p.set_defaults(func=lambda a: cmd_profile(a, config_flags.engine_kwargs(a)))
 
 
 def cmd_profile(a: argparse.Namespace, engine_kwargs: dict) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from baton.services.procs import ProcessGroup, wait_http_ok
 
 SLO = ["ttft:1500", "tpot:60"]
-BATON = [sys.executable, "-m", "baton.services.cli"]
+BATON = [sys.executable, "-m", "baton.cli"]
 
 
 def free_port() -> int:

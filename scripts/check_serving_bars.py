@@ -29,7 +29,7 @@ def main() -> int:
     a = ap.parse_args()
     t0 = time.perf_counter()
     up = subprocess.Popen(
-        [sys.executable, "-m", "baton.services.cli", "up", "--port", str(a.port)],
+        [sys.executable, "-m", "baton.cli", "up", "--port", str(a.port)],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:

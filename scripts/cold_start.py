@@ -42,7 +42,7 @@ def main() -> int:
     env = {**os.environ, "BATON_KERNEL_CACHE": f"{tmp}/kernels", "BATON_CACHE_DIR": f"{tmp}/cache"}
     t0 = time.perf_counter()
     up = subprocess.Popen(
-        [sys.executable, "-m", "baton.services.cli", "up", "--port", str(a.port), *a.up_args],
+        [sys.executable, "-m", "baton.cli", "up", "--port", str(a.port), *a.up_args],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

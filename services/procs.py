@@ -315,4 +315,4 @@ def pin_to_cpus(cpus: Sequence[int], torch_threads: bool = True) -> None:
 
 def baton_command() -> list[str]:
     """How to start another ``baton`` subcommand with this interpreter."""
-    return python_module("baton.services.cli")
+    return python_module("baton.cli")

@@ -3,7 +3,7 @@
 A service gets the password as a value (``BATON_REDIS_PASSWORD``) or as a file whose stripped
 content it is (``--redis-password-file`` / ``BATON_REDIS_PASSWORD_FILE``: a mounted secret), and
 an optional ACL user (``--redis-username`` / ``BATON_REDIS_USERNAME``, Redis 6+). The command line
-(``services/cli.py``) reads them once at start-up and puts them into the URL that every client of
+(``services/cli_args.py``) reads them once at start-up and puts them into the URL that every client of
 the process is built from (``client.connect``), so nothing below the command line knows where
 they came from. A password already inside ``--redis-url`` (``redis://user:pw@host``) wins.
 

@@ -107,7 +107,7 @@ class WorkerProcess:
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.log = self.log_dir / f"{self.role}-{self.grpc_port}.log"
-        args = [sys.executable, "-m", "baton.services.cli", self.role, "--model", str(self.model)]
+        args = [sys.executable, "-m", "baton.cli", self.role, "--model", str(self.model)]
         args += [
             "--redis-url",
             self.redis_url,

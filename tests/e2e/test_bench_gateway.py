@@ -10,7 +10,7 @@ import sys
 
 def test_gateway_cost_from_the_command_line(tmp_path):
     out = tmp_path / "gw.json"
-    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "gateway", "--streams", "3", "--tokens", "200",
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "gateway", "--streams", "3", "--tokens", "200",
            "--output-json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -14,7 +14,7 @@ def test_roofline_quick_prints_floors_and_fractions(tmp_path):
     offline = tmp_path / "offline.json"
     offline.write_text(json.dumps({"engine": "baton", "total_token_throughput": 900.0}) + "\n")
     out = tmp_path / "roofline.json"
-    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "roofline", "--quick", "--json"]
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "roofline", "--quick", "--json"]
     cmd += ["--latency-json", str(latency), "--offline-json", str(offline), "--output-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -49,7 +49,7 @@ def test_services_are_pinned_to_their_share_of_the_cores(cluster):
 def test_w2_from_the_command_line(cluster, tmp_path):
     base, _ = cluster
     out, png = tmp_path / "w2.json", tmp_path / "w2.png"
-    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "serve", "--base-url", base,
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "serve", "--base-url", base,
            "--workload", "w2", "--num-prompts", "6", "--input-len", "64", "--output-len", "8",
            "--request-rate", "20", "--goodput", "ttft:600000", "tpot:600000",
            "--output-json", str(out), "--plot", str(png), "--disable-tqdm"]  # fmt: skip
@@ -106,7 +106,7 @@ def test_w4_moves_only_the_new_turns_kv(cluster):
 
 def test_a_server_that_refuses_is_an_error_not_a_figure(cluster, tmp_path):
     base, _ = cluster
-    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "serve", "--base-url", base, "--model", "nope",
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "serve", "--base-url", base, "--model", "nope",
            "--num-prompts", "2", "--disable-tqdm"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "warm-up request failed" in run.stderr and "404" in run.stderr

@@ -29,7 +29,7 @@ REPORT = re.compile(r"CPU kernels (built|already built): (\S+) \(([\d.]+) s\)")
 def _build_kernels(cache: Path) -> tuple[str, Path, float]:
     """Run ``baton build-kernels --cache-dir cache``; return its verb, library path and seconds."""
     done = subprocess.run(
-        [sys.executable, "-m", "baton.services.cli", "build-kernels", "--cache-dir", str(cache)],
+        [sys.executable, "-m", "baton.cli", "build-kernels", "--cache-dir", str(cache)],
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT_S,
@@ -102,7 +102,7 @@ def test_build_kernels_reports_a_failed_build_in_one_line(tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     done = subprocess.run(
-        [sys.executable, "-m", "baton.services.cli", "build-kernels", "--cache-dir", str(not_a_folder)],
+        [sys.executable, "-m", "baton.cli", "build-kernels", "--cache-dir", str(not_a_folder)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -144,7 +144,7 @@ def test_a_portable_level_is_imported_by_a_cpu_that_runs_it_and_nothing_is_writt
         [
             sys.executable,
             "-m",
-            "baton.services.cli",
+            "baton.cli",
             "build-kernels",
             "--isa",
             "avx2",

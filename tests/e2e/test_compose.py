@@ -4,7 +4,7 @@ The file validates against the Compose specification (the ``compose-spec`` parse
 keys and ``${VAR:-default}`` are resolved as Compose resolves them); Prometheus' config scrapes every
 service at the ports their commands open; the Grafana dashboard's queries parse as PromQL. Then each
 service's command and environment from compose.yaml is started as a local process (the image's
-ENTRYPOINT ``baton`` is this interpreter's ``-m baton.services.cli``; the ``redis`` host is an
+ENTRYPOINT ``baton`` is this interpreter's ``-m baton.cli``; the ``redis`` host is an
 embedded Redis; every port a container opens gets a free local one; ``decode`` runs at its
 ``deploy.replicas``), each is waited on with its own healthcheck command, and a chat completion is
 served with the KV moved by the prefill worker. Every metric the dashboard names must be in the live
@@ -265,7 +265,7 @@ def start(r: Replica) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"} | r.env
     with open(r.log, "wb") as log:
         r.proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.services.cli", *r.argv],
+            [sys.executable, "-m", "baton.cli", *r.argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -330,7 +330,7 @@ def cluster(tmp_path_factory):
     # its redis.conf says: the password, the roles' ACL users.
     secrets = tmp_path_factory.mktemp("secrets")
     argv = [a.replace(SECRETS, str(secrets)) for a in services["secrets"]["command"]]
-    subprocess.run([sys.executable, "-m", "baton.services.cli", *argv], check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "baton.cli", *argv], check=True, timeout=60)
     password = (secrets / "redis-password").read_text()
     redis = EmbeddedRedis(EmbeddedRedisConfig(password=password, config_file=str(secrets / "redis.conf")))
     url = redis.start()

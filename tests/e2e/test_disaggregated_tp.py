@@ -253,7 +253,8 @@ def test_the_handshake_refuses_another_model_and_ranks_that_miss_heads(cluster):
 def test_baton_up_passes_each_role_its_degree(monkeypatch):
     """``--prefill-tp`` and ``--decode-tp`` reach the config ``baton up`` runs (both default to
     ``--tensor-parallel-size``)."""
-    from baton.services import cli, up
+    from baton.cli import main as cli
+    from baton.services import up
 
     seen = []
     monkeypatch.setattr(up, "run_cluster", lambda cfg: seen.append(cfg) or 0)

@@ -78,7 +78,7 @@ class EmulatedCluster:
     def spawn(self, name: str, args: list[str]) -> None:
         with open(self.folder / f"{name}.log", "wb") as out:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "baton.services.cli", *args],
+                [sys.executable, "-m", "baton.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={k: v for k, v in os.environ.items() if k != "REDIS_URL"},
@@ -255,7 +255,7 @@ def test_the_emulated_engine_keeps_the_profiles_shape_and_real_books(tmp_path):
 def test_baton_up_emulate_needs_the_layout_given(tmp_path, capsys):
     """The machine's probe says nothing of emulated workers: without --layout, --plan, --prefill or
     --colocated ``baton up --emulate`` stops before starting anything, saying why."""
-    from baton.services.cli import main
+    from baton.cli.main import main
 
     path = tmp_path / "profile.json"
     PROFILE.save(path)

@@ -67,7 +67,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child's
         return subprocess.Popen(
-            [sys.executable, "-m", "baton.services.cli", *args],
+            [sys.executable, "-m", "baton.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={k: v for k, v in os.environ.items() if k != "REDIS_URL"},

@@ -204,7 +204,7 @@ def _generate(stub, request_id: str, prompt: list[int], max_tokens: int, timeout
 
 
 def _start_decode(model: str, redis_url: str, worker_id: str, drain_s: float, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "baton.services.cli", "decode", "--model", model, *ENGINE_FLAGS]
+    cmd = [sys.executable, "-m", "baton.cli", "decode", "--model", model, *ENGINE_FLAGS]
     cmd += [
         "--redis-url",
         redis_url,

@@ -28,7 +28,7 @@ import atexit, sys
 if sys.argv.pop(1) == "blocked":
     sys.modules["torch"] = None  # every import of torch raises ImportError
 atexit.register(lambda: print("torch imported:", sys.modules.get("torch") is not None, flush=True))
-from baton.services.cli import main
+from baton.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 CHAT = [{"role": "user", "content": "Describe a user as JSON."}]

@@ -164,7 +164,7 @@ def test_the_command_line_refuses_half_a_tls_identity(role, pki):
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "baton.services.cli", role, "--grpc-tls-cert", pki["client"].cert]
+    args = [sys.executable, "-m", "baton.cli", role, "--grpc-tls-cert", pki["client"].cert]
     if role == "gateway":
         args += ["--redis-url", "redis://127.0.0.1:1"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)

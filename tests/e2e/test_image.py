@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from baton.services.cli import build_parser
+from baton.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

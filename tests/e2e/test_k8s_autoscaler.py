@@ -10,10 +10,10 @@ import re
 import pytest
 from prometheus_client import generate_latest
 
+from baton.cli.main import build_parser
 from baton.planner.autoscale import Autoscaler
 from baton.planner.sim_result import SLO
 from baton.services.autoscaler import AutoscalerService, autoscale_config
-from baton.services.cli import build_parser
 from tests.e2e.k8s_render import K8S, find, rel, render, write_kustomization
 from tests.unit.test_autoscale import decode_heavy_profile
 

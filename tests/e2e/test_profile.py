@@ -29,7 +29,7 @@ def _run(*args: str, engine: list[str] = ENGINE) -> subprocess.CompletedProcess:
     """``baton profile --quick`` on one thread: with two OpenMP threads on two shared cores a step
     waits at every barrier for a thread the neighbours' tests descheduled (tenfold outliers); one
     thread is only slowed in proportion. ``Machine.cores`` records the one."""
-    cmd = [sys.executable, "-m", "baton.services.cli", "profile", "--quick", *args, *engine]
+    cmd = [sys.executable, "-m", "baton.cli", "profile", "--quick", *args, *engine]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
 

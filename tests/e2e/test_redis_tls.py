@@ -90,7 +90,7 @@ def _spawn(args: list[str], role: str, tls_redis, log: Path) -> subprocess.Popen
     }
     out = open(log, "wb")  # noqa: SIM115 - the child's
     return subprocess.Popen(
-        [sys.executable, "-m", "baton.services.cli", *args, "--redis-url", tls_redis["url"]],
+        [sys.executable, "-m", "baton.cli", *args, "--redis-url", tls_redis["url"]],
         stdout=out,
         stderr=subprocess.STDOUT,
         env=env,

@@ -59,7 +59,7 @@ def test_bench_serve_against_it(cluster):
 
 
 def _goodput(base: str, out, slos: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "baton.services.cli", "bench", "goodput", "--base-url", base, "--rates", "20,5",
+    cmd = [sys.executable, "-m", "baton.cli", "bench", "goodput", "--base-url", base, "--rates", "20,5",
            "--num-prompts", "3", "--input-len", "32", "--output-len", "4", "--goodput", *slos,
            "--output-json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

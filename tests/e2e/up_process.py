@@ -24,7 +24,7 @@ def start_up(args: list[str], logs: Path, timeout: float = 300.0) -> tuple[int, 
         [
             sys.executable,
             "-m",
-            "baton.services.cli",
+            "baton.cli",
             "up",
             "--port",
             str(port),
@@ -80,8 +80,8 @@ def worker_pids(up_pid: int) -> dict[str, int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == up_pid and b"baton.services.cli" in cmd:
-            role = cmd[cmd.index(b"baton.services.cli") + 1].decode()
+        if ppid == up_pid and b"baton.cli" in cmd:
+            role = cmd[cmd.index(b"baton.cli") + 1].decode()
             if role in ("prefill", "decode", "gateway"):
                 out[f"{role}-{proc_dir.name}"] = int(proc_dir.name)
     return out

@@ -295,7 +295,7 @@ class Stream:
 
 
 def _baton(role: str) -> list[str]:
-    return [sys.executable, "-m", "baton.services.cli", role]
+    return [sys.executable, "-m", "baton.cli", role]
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -90,12 +90,13 @@ def test_attention_data_parallel_beside_expert_parallel_matches_transformers_and
 
 
 def test_flags_reach_the_engine_and_workers_refuse_replicas(capsys):
-    from baton.services import cli
+    from baton.cli import main as cli
+    from baton.common.engine import config_flags
 
     a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-dp", "2", "--enable-expert-parallel"])
-    kwargs = cli._engine_kwargs(a)
+    kwargs = config_flags.engine_kwargs(a)
     assert (kwargs["data_parallel_size"], kwargs["enable_expert_parallel"]) == (2, True)
-    assert "--enable-expert-parallel" in cli._engine_flags(a)
+    assert "--enable-expert-parallel" in config_flags.engine_flags(a)
     assert cli.main(["decode", "--data-parallel-size", "2"]) == 2
     assert "offline only" in capsys.readouterr().err
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):

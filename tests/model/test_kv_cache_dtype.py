@@ -111,7 +111,8 @@ def test_the_kv_step_bench_times_each_cache_against_the_first(int8_llm):
 
 
 def test_the_kv_cache_dtype_flag_reaches_every_command_and_baton_up_workers():
-    from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
+    from baton.cli.main import build_parser
+    from baton.common.engine.config_flags import engine_flags, engine_kwargs
 
     parser = build_parser()
     for cmd in (
@@ -122,13 +123,13 @@ def test_the_kv_cache_dtype_flag_reaches_every_command_and_baton_up_workers():
         ["decode"],
     ):
         assert (
-            _engine_kwargs(parser.parse_args([*cmd, "--kv-cache-dtype", "fp8_e4m3"]))["kv_cache_dtype"]
+            engine_kwargs(parser.parse_args([*cmd, "--kv-cache-dtype", "fp8_e4m3"]))["kv_cache_dtype"]
             == "fp8_e4m3"
         )
-        assert _engine_kwargs(parser.parse_args(cmd))["kv_cache_dtype"] == "auto"
-    flags = _engine_flags(parser.parse_args(["up", "--kv-cache-dtype", "int8"]))
+        assert engine_kwargs(parser.parse_args(cmd))["kv_cache_dtype"] == "auto"
+    flags = engine_flags(parser.parse_args(["up", "--kv-cache-dtype", "int8"]))
     assert flags[flags.index("--kv-cache-dtype") + 1] == "int8"
-    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["kv_cache_dtype"] == "int8"
+    assert engine_kwargs(parser.parse_args(["prefill", *flags]))["kv_cache_dtype"] == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["decode", "--kv-cache-dtype", "int4"])
     for cmd in (["up"], ["decode"], ["bench", "accuracy"], ["bench", "transfer"]):  # vLLM's fp8

@@ -211,12 +211,13 @@ def test_micro_batched_steps_equal_the_whole_batch_and_the_stages_overlap(smollm
 
 
 def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_nccl(capsys):
-    from baton.services import cli
+    from baton.cli import main as cli
+    from baton.common.engine import config_flags
 
     a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-pp", "2", "-tp", "2"])
-    kwargs = cli._engine_kwargs(a)
+    kwargs = config_flags.engine_kwargs(a)
     assert (kwargs["pipeline_parallel_size"], kwargs["tensor_parallel_size"]) == (2, 2)
-    flags = cli._engine_flags(a)  # what baton up passes on to its workers
+    flags = config_flags.engine_flags(a)  # what baton up passes on to its workers
     assert flags[flags.index("--pipeline-parallel-size") + 1] == "2"
     # Stages move their own layers' KV over ucx (tests/e2e/test_disaggregated_pp.py); nccl is refused.
     assert cli.main(["prefill", "--pipeline-parallel-size", "2", "--kv-transport", "nccl"]) == 2

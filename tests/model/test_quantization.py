@@ -109,7 +109,8 @@ def test_unknown_quantization_is_refused():
 
 
 def test_quantization_flag_reaches_every_command_and_baton_up_workers():
-    from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
+    from baton.cli.main import build_parser
+    from baton.common.engine.config_flags import engine_flags, engine_kwargs
 
     parser = build_parser()
     for cmd in (
@@ -119,12 +120,12 @@ def test_quantization_flag_reaches_every_command_and_baton_up_workers():
         ["prefill"],
         ["decode"],
     ):
-        assert _engine_kwargs(parser.parse_args([*cmd, "--quantization", "int8"]))["quantization"] == "int8"
-        assert _engine_kwargs(parser.parse_args(cmd))["quantization"] is None
-    flags = _engine_flags(parser.parse_args(["up", "--quantization", "fp8"]))
+        assert engine_kwargs(parser.parse_args([*cmd, "--quantization", "int8"]))["quantization"] == "int8"
+        assert engine_kwargs(parser.parse_args(cmd))["quantization"] is None
+    flags = engine_flags(parser.parse_args(["up", "--quantization", "fp8"]))
     assert flags[flags.index("--quantization") + 1] == "fp8"
-    assert _engine_kwargs(parser.parse_args(["decode", *flags]))["quantization"] == "fp8"
-    assert "--quantization" not in _engine_flags(parser.parse_args(["up"]))
+    assert engine_kwargs(parser.parse_args(["decode", *flags]))["quantization"] == "fp8"
+    assert "--quantization" not in engine_flags(parser.parse_args(["up"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["decode", "--quantization", "int4"])
     qz = parser.parse_args(["quantize", "--quantization", "int8", "/tmp/out"])

@@ -210,11 +210,12 @@ def test_ranks_exit_when_rank_0_dies(tiny_path):
 
 
 def test_cli_flag_reaches_the_engine_and_kv_moving_workers_refuse_nccl(capsys):
-    from baton.services import cli
+    from baton.cli import main as cli
+    from baton.common.engine import config_flags
 
     a = cli.build_parser().parse_args(["generate", "--prompt", "x", "-tp", "2"])
-    assert cli._engine_kwargs(a)["tensor_parallel_size"] == 2
-    flags = cli._engine_flags(a)  # what baton up passes on to its workers
+    assert config_flags.engine_kwargs(a)["tensor_parallel_size"] == 2
+    flags = config_flags.engine_flags(a)  # what baton up passes on to its workers
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
     # Re-sharded transfers run over ucx (tests/e2e/test_disaggregated_tp.py); nccl is refused.
     assert cli.main(["prefill", "--tensor-parallel-size", "2", "--kv-transport", "nccl"]) == 2

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.cli.main import build_parser
 from baton.common.index.registry import WorkerInfo
 from baton.common.metrics import serve_metrics
 from baton.planner.autoscale import AutoscaleConfig, Autoscaler
@@ -23,7 +24,6 @@ from baton.services.autoscaler import (
     parse_gateway_metrics,
     pools_from_workers,
 )
-from baton.services.cli import build_parser
 from baton.services.gateway.metrics import GatewayMetrics
 from tests.unit.test_autoscale import decode_heavy_profile
 

@@ -90,11 +90,11 @@ def test_bars_compare_with_the_offline_engine():
 
 
 def test_proc_stats_see_a_busy_child_and_its_role():
-    # A child shaped like a baton up service: its command line names ``baton.services.cli decode``.
+    # A child shaped like a baton up service: its command line names ``baton.cli decode``.
     # It spins until it has *used* 0.5 s of CPU (not for 0.5 s of wall time: on a busy runner that
     # was less CPU than the 0.3 s the test waits to see).
     spin = "import time\nwhile time.process_time() < 0.5: pass\ntime.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", spin, "baton.services.cli", "decode"])
+    child = subprocess.Popen([sys.executable, "-c", spin, "baton.cli", "decode"])
     try:
         before = proc_stats.sample(child.pid)
         deadline = time.monotonic() + 20

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from baton.services.cli import _engine_flags, _engine_kwargs, build_parser
+from baton.cli.main import build_parser
+from baton.common.engine.config_flags import engine_flags, engine_kwargs
 
 
 def test_max_model_len_reaches_workers_directly_and_through_baton_up():
     parser = build_parser()
     decode = parser.parse_args(["decode", "--max-model-len", "512"])
-    assert _engine_kwargs(decode)["max_model_len"] == 512
-    assert _engine_kwargs(parser.parse_args(["decode"]))["max_model_len"] is None  # the model's own
+    assert engine_kwargs(decode)["max_model_len"] == 512
+    assert engine_kwargs(parser.parse_args(["decode"]))["max_model_len"] is None  # the model's own
     up = parser.parse_args(["up", "--max-model-len", "512"])
-    flags = _engine_flags(up)
+    flags = engine_flags(up)
     assert flags[flags.index("--max-model-len") + 1] == "512"
     handed_on = parser.parse_args(["decode", *flags])
-    assert _engine_kwargs(handed_on)["max_model_len"] == 512
-    assert "--max-model-len" not in _engine_flags(parser.parse_args(["up"]))
+    assert engine_kwargs(handed_on)["max_model_len"] == 512
+    assert "--max-model-len" not in engine_flags(parser.parse_args(["up"]))
 
 
 def test_workers_advertise_the_address_others_reach_them_at():
@@ -26,11 +27,11 @@ def test_workers_advertise_the_address_others_reach_them_at():
     from baton.services.worker_base import advertised
 
     parser = build_parser()
-    from baton.services.cli import _worker_kwargs
+    from baton.services.worker_cli import worker_kwargs
 
-    local = _worker_kwargs(parser.parse_args(["decode"]))
+    local = worker_kwargs(parser.parse_args(["decode"]))
     assert (local["host"], local["advertise_host"], local["transfer"].host) == ("127.0.0.1", "", "127.0.0.1")
-    pod = _worker_kwargs(parser.parse_args(["prefill", "--host", "0.0.0.0", "--advertise-host", "10.1.2.3"]))
+    pod = worker_kwargs(parser.parse_args(["prefill", "--host", "0.0.0.0", "--advertise-host", "10.1.2.3"]))
     assert (pod["host"], pod["transfer"].host) == ("0.0.0.0", "10.1.2.3")  # bind all, name the pod's
     assert advertised("127.0.0.1") == "127.0.0.1"
     assert advertised("0.0.0.0", "decode-1") == "decode-1"
@@ -44,10 +45,10 @@ def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
     from baton.common.parallel.engine_factory import create_engine
 
     parser = build_parser()
-    assert _engine_kwargs(parser.parse_args(["decode"]))["device"] == "cpu"
-    assert "--device" not in _engine_flags(parser.parse_args(["up"]))
-    flags = _engine_flags(parser.parse_args(["up", "--device", "cuda"]))
-    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["device"] == "cuda"
+    assert engine_kwargs(parser.parse_args(["decode"]))["device"] == "cpu"
+    assert "--device" not in engine_flags(parser.parse_args(["up"]))
+    flags = engine_flags(parser.parse_args(["up", "--device", "cuda"]))
+    assert engine_kwargs(parser.parse_args(["prefill", *flags]))["device"] == "cuda"
     if not torch.cuda.is_available():  # refused before any weight is read
         with pytest.raises(ValueError, match="device 'cuda' is not available"):
             create_engine(EngineConfig(device="cuda"))
@@ -55,20 +56,21 @@ def test_device_reaches_workers_and_an_absent_gpu_is_a_clear_error():
 
 def test_no_jump_forward_reaches_workers_directly_and_through_baton_up():
     parser = build_parser()
-    assert _engine_kwargs(parser.parse_args(["decode"]))["jump_forward"] is True
+    assert engine_kwargs(parser.parse_args(["decode"]))["jump_forward"] is True
     offline = parser.parse_args(["generate", "--prompt", "x", "--no-jump-forward"])
-    assert _engine_kwargs(offline)["jump_forward"] is False
-    assert "--no-jump-forward" not in _engine_flags(parser.parse_args(["up"]))
-    flags = _engine_flags(parser.parse_args(["up", "--no-jump-forward"]))
+    assert engine_kwargs(offline)["jump_forward"] is False
+    assert "--no-jump-forward" not in engine_flags(parser.parse_args(["up"]))
+    flags = engine_flags(parser.parse_args(["up", "--no-jump-forward"]))
     assert "--no-jump-forward" in flags
-    assert _engine_kwargs(parser.parse_args(["decode", *flags]))["jump_forward"] is False
+    assert engine_kwargs(parser.parse_args(["decode", *flags]))["jump_forward"] is False
 
 
 def test_baton_up_gives_each_role_its_parallel_degrees(monkeypatch):
     """``--prefill-tp/-pp`` and ``--decode-tp/-pp`` reach the config ``baton up`` runs (each
     defaulting to ``--tensor-parallel-size`` / ``--pipeline-parallel-size``), and each worker's
     command line ends with its own degrees, after (so over) the engine flags handed to every one."""
-    from baton.services import cli, up
+    from baton.cli import main as cli
+    from baton.services import up
 
     seen: list = []
     monkeypatch.setattr(up, "run_cluster", lambda cfg: seen.append(cfg) or 0)
@@ -87,7 +89,7 @@ def test_baton_up_gives_each_role_its_parallel_degrees(monkeypatch):
 
 
 def test_parallel_workers_move_kv_over_ucx_only(capsys):
-    from baton.services import cli
+    from baton.cli import main as cli
 
     for argv in (
         ["prefill", "-pp", "2", "--kv-transport", "nccl"],
@@ -100,13 +102,13 @@ def test_parallel_workers_move_kv_over_ucx_only(capsys):
 
 
 def test_gpu_memory_utilization_reaches_workers_and_is_refused_off_a_gpu(capsys):
-    from baton.services import cli
+    from baton.cli import main as cli
 
     parser = build_parser()
-    assert _engine_kwargs(parser.parse_args(["decode"]))["gpu_memory_utilization"] is None  # off
-    assert "--gpu-memory-utilization" not in _engine_flags(parser.parse_args(["up"]))
-    flags = _engine_flags(parser.parse_args(["up", "--device", "cuda", "--gpu-memory-utilization", "0.9"]))
-    assert _engine_kwargs(parser.parse_args(["prefill", *flags]))["gpu_memory_utilization"] == 0.9
+    assert engine_kwargs(parser.parse_args(["decode"]))["gpu_memory_utilization"] is None  # off
+    assert "--gpu-memory-utilization" not in engine_flags(parser.parse_args(["up"]))
+    flags = engine_flags(parser.parse_args(["up", "--device", "cuda", "--gpu-memory-utilization", "0.9"]))
+    assert engine_kwargs(parser.parse_args(["prefill", *flags]))["gpu_memory_utilization"] == 0.9
     # refused before any worker starts or any weight is read
     assert cli.main(["up", "--gpu-memory-utilization", "0.9"]) == 2
     assert "on device 'cpu' give kv_cache_gib" in capsys.readouterr().err

@@ -10,7 +10,8 @@ from typing import get_args
 import pytest
 from pydantic import ValidationError
 
-from baton.services.cli import _front_door, build_parser
+from baton.cli.main import build_parser
+from baton.services.cli_args import front_door
 from baton.services.gateway.admission import Admission
 from baton.services.gateway.auth import KeyCheck, bearer_token, is_protected
 from baton.services.gateway.body import loads
@@ -148,29 +149,29 @@ def _gateway_args(*extra: str):
 def test_front_door_from_flags_and_the_environment(monkeypatch):
     monkeypatch.setenv("BATON_API_KEY", "env-1, env-2,,")
     a = _gateway_args("--api-key", "flag-1", "--api-key", "env-1", "--max-concurrent-requests", "3")
-    assert _front_door(a) == {
+    assert front_door(a) == {
         "api_keys": ("flag-1", "env-1", "env-2"),
         "max_concurrent_requests": 3,
         "max_body_bytes": 4 * 2**20,
     }
     monkeypatch.delenv("BATON_API_KEY")
-    assert _front_door(_gateway_args())["api_keys"] == ()
+    assert front_door(_gateway_args())["api_keys"] == ()
     up = build_parser().parse_args(["up", "--api-key", "k", "--max-body-bytes", "100"])
-    assert _front_door(up) == {"api_keys": ("k",), "max_concurrent_requests": 512, "max_body_bytes": 100}
+    assert front_door(up) == {"api_keys": ("k",), "max_concurrent_requests": 512, "max_body_bytes": 100}
 
 
 @pytest.mark.parametrize("flags", [["--api-key", "has,comma"], ["--api-key", "has space"], ["--api-key", ""]])
 def test_unusable_keys_are_refused_without_printing_them(flags, capsys, monkeypatch):
     monkeypatch.delenv("BATON_API_KEY", raising=False)
-    assert _front_door(_gateway_args(*flags)) is None
+    assert front_door(_gateway_args(*flags)) is None
     err = capsys.readouterr().err
     assert "API key" in err and (not flags[1] or flags[1] not in err)
 
 
 def test_limits_below_one_are_refused(monkeypatch):
     monkeypatch.delenv("BATON_API_KEY", raising=False)
-    assert _front_door(_gateway_args("--max-concurrent-requests", "0")) is None
-    assert _front_door(_gateway_args("--max-body-bytes", "0")) is None
+    assert front_door(_gateway_args("--max-concurrent-requests", "0")) is None
+    assert front_door(_gateway_args("--max-body-bytes", "0")) is None
 
 
 def test_an_unhandled_error_is_an_openai_500_with_the_request_id_and_counted():

@@ -138,7 +138,7 @@ def test_budgets_chunks_and_traces():
 
 def _baton() -> list[str]:
     exe = Path(sys.executable).with_name("baton")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.services.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli"]
 
 
 def _plan_args(path: Path, rate: float, *extra: str) -> list[str]:

@@ -36,7 +36,7 @@ def test_init_writes_each_file_once_private_where_secret(tmp_path):
 
 
 def test_the_cli_reports_what_it_wrote(tmp_path):
-    run = [sys.executable, "-m", "baton.services.cli", "secrets", str(tmp_path / "s")]
+    run = [sys.executable, "-m", "baton.cli", "secrets", str(tmp_path / "s")]
     first = subprocess.run(run, capture_output=True, text=True, timeout=60)
     again = subprocess.run(run, capture_output=True, text=True, timeout=60)
     assert first.returncode == again.returncode == 0, first.stderr + again.stderr

@@ -113,7 +113,7 @@ def test_a_replayed_trace_is_served_as_given(tmp_path):
 
 def _baton() -> list[str]:
     exe = Path(sys.executable).with_name("baton")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.services.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli"]
 
 
 def test_cli_prints_one_json_object(tmp_path):

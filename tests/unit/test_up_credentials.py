@@ -49,7 +49,7 @@ def test_the_gateway_expects_the_prefill_pool_and_gets_no_secret_on_its_command_
 
 
 def test_every_service_takes_the_flags_and_files_win_over_values(tmp_path):
-    from baton.services.cli import build_parser
+    from baton.cli.main import build_parser
     from baton.services.cluster_auth import from_args
 
     (tmp_path / "pw").write_text("from-file\n")

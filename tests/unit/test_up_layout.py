@@ -1,4 +1,4 @@
-"""``baton up --layout`` and ``--plan`` (services/cli.py ``apply_up_layout``, services/layout.py):
+"""``baton up --layout`` and ``--plan`` (services/up_cli.py ``apply_up_layout``, services/layout.py):
 a layout as ``baton simulate``/``baton plan`` name it becomes the worker counts ``baton up`` starts,
 and the layout rule then only pins them to cores."""
 
@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from baton.services.cli import apply_up_layout, build_parser
+from baton.cli.main import build_parser
 from baton.services.layout import LayoutRequest, fixed_layout, plan, plan_layout
+from baton.services.up_cli import apply_up_layout
 
 
 def _up(*args: str):
