@@ -11,7 +11,7 @@ from pathlib import Path
 from baton import env
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "services", "bench", "planner", "kernels", "pkg")
+PRODUCT = ("common", "services", "bench", "planner", "cli", "kernels", "pkg")
 NAME = re.compile(r"BATON_[A-Z0-9_]+")
 
 
