@@ -1,1 +1,2 @@
-"""Processes around common/: the command line, and later the gateway and workers."""
+"""The processes around common/: the gateway, the workers, ``baton up`` and the autoscaler, each
+with the subcommand that runs it (``register``), which the ``baton`` command (``baton.cli``) assembles."""
