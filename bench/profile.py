@@ -36,6 +36,7 @@ from pathlib import Path
 
 from baton.bench.profile_engine import PrefillPoint
 from baton.bench.profile_plan import (
+    CHECK_ROUNDS,
     TOLERANCE,
     Plan,
     ShapeMismatch,
@@ -45,6 +46,7 @@ from baton.bench.profile_plan import (
     flag_mismatch,
     format_drift,
     grid_plan,
+    least_drift,
     reduced_plan,
     shape_mismatch,
 )
@@ -251,6 +253,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a small grid (tests; well under a minute)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="--check's bound on each model's drift")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=CHECK_ROUNDS,
+        help="--check measures again while a model is past the tolerance, this many times in all,"
+        " and keeps each model's least drift",
+    )
     p.add_argument("--seed", type=int, default=0)
     config_flags.add_engine_args(p)
     p.set_defaults(func=lambda a: cmd_profile(a, config_flags.engine_kwargs(a)))
@@ -298,8 +307,15 @@ def _check(a: argparse.Namespace, engine_kwargs: dict) -> int:
     if diff := flag_mismatch(stored.engine, engine_kwargs):
         raise ShapeMismatch(diff)
     plan, at_points = reduced_plan(stored, a.quick)
-    measured = run_profile(plan, engine_kwargs, a.seed, expect=stored.engine, log=_log)
-    drifts = drift(at_points, measured)
+    drifts: dict[str, float] = {}
+    rounds = max(1, a.rounds)
+    for round_ in range(rounds):
+        measured = run_profile(plan, engine_kwargs, a.seed, expect=stored.engine, log=_log)
+        now = drift(at_points, measured)
+        drifts = least_drift(drifts, now) if drifts else now
+        if not (bad := failing(drifts, a.tolerance)) or round_ + 1 == rounds:
+            break
+        _log(f"past {a.tolerance:.0%}: {', '.join(bad)}; measuring again (a drift that is real stays)")
     print(format_drift(drifts, a.tolerance))
     bad = failing(drifts, a.tolerance)
     if bad:

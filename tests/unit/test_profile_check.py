@@ -9,12 +9,14 @@ import pytest
 
 from baton.bench.profile_engine import DecodePoint, PrefillPoint
 from baton.bench.profile_plan import (
+    CHECK_ROUNDS,
     failing,
     fit_errors,
     fit_points,
     flag_mismatch,
     format_drift,
     grid_plan,
+    least_drift,
     reduced_plan,
     shape_mismatch,
 )
@@ -144,3 +146,14 @@ def test_the_default_grid_has_chunked_and_packed_steps_and_the_quick_one_is_smal
     assert full.chunked and any(p.pieces > 1 for p in full.prefill)
     assert any(p.prior > 0 for p in quick.prefill) and len(quick.prefill) <= 6
     assert len(quick.decode) <= 6 and len(quick.transfer_tokens) == 2
+
+
+def test_a_model_is_judged_by_its_least_drift_over_the_rounds():
+    first = {"prefill": 0.03, "decode": 0.02, "transfer.ucx": 0.12}  # one noisy transfer run
+    again = {"prefill": 0.05, "decode": 0.01, "transfer.ucx": 0.04}
+    least = least_drift(first, again)
+    assert least == {"prefill": 0.03, "decode": 0.01, "transfer.ucx": 0.04}
+    assert failing(first) == ["transfer.ucx"] and failing(least) == []
+    moved = {"prefill": 0.5, "decode": 0.02, "transfer.ucx": 0.04}  # a real change stays in every round
+    assert failing(least_drift(moved, {**moved, "prefill": 0.45})) == ["prefill"]
+    assert CHECK_ROUNDS >= 2
