@@ -11,11 +11,22 @@ from baton.common.engine.config_flags import add_engine_args, engine_kwargs
 
 def register(subparsers) -> None:
     """``baton bench <name>`` for every benchmark, and ``baton profile``."""
-    from baton.bench import accuracy, breakdown, gateway, goodput, kv_step, profile, roofline, serve, transfer
+    from baton.bench import (
+        accuracy,
+        breakdown,
+        fidelity,
+        gateway,
+        goodput,
+        kv_step,
+        profile,
+        roofline,
+        serve,
+        transfer,
+    )
 
     bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _register_offline(bench)
-    for module in (serve, transfer, breakdown, goodput, gateway, kv_step, accuracy, roofline):
+    for module in (serve, transfer, breakdown, goodput, gateway, kv_step, accuracy, roofline, fidelity):
         module.register(bench)
     profile.register(subparsers)
 

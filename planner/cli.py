@@ -1,6 +1,6 @@
 """``baton simulate``'s arguments and handler (stdlib argparse: the planner stays pure).
 
-``services/cli.py`` registers it with ``add_simulate_parser(subparsers)``."""
+``cli/main.py`` registers it with ``add_simulate_parser(subparsers)``."""
 
 from __future__ import annotations
 

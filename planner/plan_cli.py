@@ -1,6 +1,6 @@
 """``baton plan``'s arguments, handler and report (stdlib argparse: the planner stays pure).
 
-``services/cli.py`` registers it with ``add_plan_parser(subparsers)``."""
+``cli/main.py`` registers it with ``add_plan_parser(subparsers)``."""
 
 from __future__ import annotations
 
