@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -103,9 +104,14 @@ class Run:
     predicted_p90_tpot_ms: float
     measured_p90_tpot_ms: float
     failed: int
+    cached_tokens: int
+    """Prompt tokens the prefix cache served (random prompts of their own: 0 but by chance)."""
     duration_s: float
     machine: str
     taken_at: str
+    requests: dict[str, list]
+    """Each request as sent and measured: ``arrival_s``, ``input_len``, ``output_len``, ``ttft_ms``,
+    ``tpot_ms``, ``error``."""
 
 
 # -- predictions -------------------------------------------------------------------------------------
@@ -130,6 +136,12 @@ def _nan_to_none(x: float) -> float | None:
     return None if x != x else x
 
 
+def run_seed(layout: Layout, mix: Mix, arrival: str, load: float, seed: int) -> int:
+    """The seed of one run's prompt ids: its own for every scenario, so that no run's prompts share
+    a prefix with an earlier run's (the server's prefix cache would serve it: the simulator has none)."""
+    return zlib.crc32(f"{layout}|{mix.text}|{arrival}|{load}|{seed}".encode())
+
+
 # -- one run -----------------------------------------------------------------------------------------
 def run_one(
     base_url: str, profile: Profile, layout: Layout, mix: Mix, arrival: str, load: float, cap: float, **kw
@@ -145,7 +157,10 @@ def run_one(
     rows = [(t - t0, i, o) for t, i, o in zip(requests.arrival_s, requests.input_len, requests.output_len)]
     predicted = simulate(profile, layout, Workload(trace=tuple(rows), num_prompts=0), slo)
     goodput = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms}
-    bench = BenchConfig(base_url, trace=rows, goodput=goodput, seed=seed, progress=False, timeout_s=1800.0)
+    prompts_seed = run_seed(layout, mix, arrival, load, seed)
+    bench = BenchConfig(
+        base_url, trace=rows, goodput=goodput, seed=prompts_seed, progress=False, timeout_s=1800.0
+    )
     measured = asyncio.run(run_benchmark(bench))
     ok_ttft = [t * 1000.0 for t, e in zip(measured["ttfts"], measured["errors"]) if not e]
     ok_tpot = [
@@ -172,9 +187,18 @@ def run_one(
         predicted_p90_tpot_ms=predicted.tpot_ms.p90,
         measured_p90_tpot_ms=float(np.percentile(ok_tpot, 90)) if ok_tpot else float("nan"),
         failed=measured["failed"],
+        cached_tokens=measured["total_cached_tokens"],
         duration_s=measured["duration"],
         machine=profile.machine.cpu,
         taken_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        requests={
+            "arrival_s": [round(r[0], 4) for r in rows],
+            "input_len": [r[1] for r in rows],
+            "output_len": measured["output_lens"],
+            "ttft_ms": [round(t * 1000.0, 2) for t in measured["ttfts"]],
+            "tpot_ms": [round(t * 1000.0, 3) for t in measured["tpots"]],
+            "error": measured["errors"],
+        },
     )
 
 

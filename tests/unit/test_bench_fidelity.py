@@ -13,6 +13,7 @@ from baton.bench.fidelity import (
     parse_arrival,
     parse_mix,
     predicted_capacity,
+    run_seed,
 )
 from baton.planner.layout import parse_layout
 from baton.planner.profile import Profile
@@ -74,3 +75,13 @@ def test_errors_count_points_on_every_run_and_latency_only_where_half_is_served(
     assert (e["p90_ttft_within_15"], e["p90_tpot_within_15"]) == (1, 0)
     text = format_report(runs)
     assert "| 1p1d | 256/64 | poisson | 60% |" in text and "2 runs." in text
+
+
+def test_every_scenario_sends_prompts_of_its_own():
+    layout, mix = parse_layout("1p1d"), parse_mix("256/64")
+    seeds = {
+        run_seed(layout, mix, arrival, load, 0) for arrival in ("poisson", "gamma:2") for load in (0.3, 0.6)
+    }
+    seeds.add(run_seed(parse_layout("colocated"), mix, "poisson", 0.3, 0))
+    assert len(seeds) == 5
+    assert run_seed(layout, mix, "poisson", 0.3, 0) == run_seed(layout, mix, "poisson", 0.3, 0)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 30's fidelity matrix on this machine: {colocated, 1p1d, colocated:2} x {30, 60, 90, 120}% of
+# each layout's predicted capacity x {Poisson, Gamma CV 2} x 2 length mixes, each a real `baton up`
+# run beside the simulator's prediction of the same requests (`baton bench fidelity`).
+#
+# A layout of one worker runs on every core and is predicted by a profile taken on every core; a
+# layout of two workers (one core each, as `baton up --layout` pins them) by a profile taken on one
+# core. Profiles are taken first where OUT has none. Run it on a quiet machine: nothing else may run.
+#
+#   scripts/fidelity_matrix.sh OUT [WINDOW_S]
+set -euo pipefail
+out=${1:?usage: scripts/fidelity_matrix.sh OUT [WINDOW_S]}
+window=${2:-30}
+baton=${BATON:-baton}
+mkdir -p "$out"
+slo=(ttft:2000 tpot:100)
+mixes=(uniform:128:384/uniform:64:192 uniform:512:1024/uniform:32:96)
+
+[ -f "$out/profile-all-cores.json" ] || "$baton" profile --output "$out/profile-all-cores.json"
+last=$(($(nproc) - 1))
+[ -f "$out/profile-one-core.json" ] ||
+  OMP_NUM_THREADS=1 taskset -c "$last" "$baton" profile --output "$out/profile-one-core.json"
+
+for layout in colocated 1p1d colocated:2; do
+  profile=$out/profile-one-core.json
+  [ "$layout" = colocated ] && profile=$out/profile-all-cores.json
+  "$baton" bench fidelity --profile "$profile" --layout "$layout" --mix "${mixes[@]}" \
+    --loads 0.3,0.6,0.9,1.2 --arrivals poisson,gamma:2 --window "$window" --slo "${slo[@]}" \
+    --output-jsonl "$out/runs.jsonl"
+done
+"$baton" bench fidelity-report "$out/runs.jsonl" | tee "$out/report.md"
