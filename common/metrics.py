@@ -35,6 +35,18 @@ class EngineCollector:
 
     def collect(self):
         e = self.engine
+        yield from self._queue_and_cache(e)
+        yield from self._work(e)
+        runner = getattr(e, "runner", None)
+        if runner is not None and hasattr(runner, "num_cascade_steps"):
+            yield from self._cascade(runner)
+        if getattr(e, "structured", None) is not None:
+            yield from self._structured(e.structured.stats)
+        if getattr(e, "speculator", None) is not None:
+            yield from self._spec(e.speculator.stats)
+
+    def _queue_and_cache(self, e):
+        """What the worker is: emulated or not; its queue and KV pool; the prefix cache's lookups."""
         config = getattr(e, "config", None)
         emulated = getattr(config, "emulate", None) is not None
         yield self._g(
@@ -59,6 +71,9 @@ class EngineCollector:
         yield self._c(
             "baton:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.prefix_cache_hits
         )
+
+    def _work(self, e):
+        """Tokens computed and generated, steps and their time, failures and refusals."""
         yield self._c(
             "baton:prompt_tokens_computed",
             "Prompt tokens this worker computed.",
@@ -95,25 +110,22 @@ class EngineCollector:
             "Requests refused because the waiting queue was full.",
             e.num_refused_requests_total,
         )
-        runner = getattr(e, "runner", None)
-        if runner is not None and hasattr(runner, "num_cascade_steps"):
-            yield self._c(
-                "baton:cascade_steps", "Decode steps that used cascade attention.", runner.num_cascade_steps
-            )
-            yield self._c(
-                "baton:cascade_groups",
-                "Shared-prefix groups those steps attended.",
-                runner.num_cascade_groups,
-            )
-            yield self._c(
-                "baton:cascade_queries",
-                "Decode rows served by a shared-prefix pass.",
-                runner.num_cascade_queries,
-            )
-        if getattr(e, "structured", None) is not None:
-            yield from self._structured(e.structured.stats)
-        if getattr(e, "speculator", None) is not None:
-            yield from self._spec(e.speculator.stats)
+
+    def _cascade(self, runner):
+        """Cascade attention: the decode steps, groups and rows it served."""
+        yield self._c(
+            "baton:cascade_steps", "Decode steps that used cascade attention.", runner.num_cascade_steps
+        )
+        yield self._c(
+            "baton:cascade_groups",
+            "Shared-prefix groups those steps attended.",
+            runner.num_cascade_groups,
+        )
+        yield self._c(
+            "baton:cascade_queries",
+            "Decode rows served by a shared-prefix pass.",
+            runner.num_cascade_queries,
+        )
 
     def _structured(self, stats):
         """Structured outputs: forward steps per output token = sampled / (sampled + forced)."""

@@ -121,6 +121,47 @@ class _Progress:
         return resumed
 
 
+@dataclass
+class _Attempts:
+    """The decode workers one request has tried."""
+
+    tried: list[str] = field(default_factory=list)
+    lone: str | None = None
+    """A worker that lost this stream while reachable (a keepalive starved on a busy host, a
+    stall): with no other worker left it resumes the stream itself, as a new request would be sent
+    there. One that refuses the connection (a dead process) is not tried again."""
+    refused: APIError | None = None
+    """The last "queue full" answer, if every worker is full."""
+
+    def none_left(self, e: NoWorkerError, progress: _Progress) -> None:
+        """No worker to pick: the lone worker is let in again, or the client is told why."""
+        if self.lone is not None:
+            self.tried, self.lone = [a for a in self.tried if a != self.lone], None
+            return
+        if self.refused is not None:
+            raise self.refused from None  # every worker tried is full: 429, not 503
+        if progress.token_ids:
+            raise unavailable(
+                f"the decode worker failed mid-stream and no other can resume it: {e}",
+                code="no_decode_worker",
+            ) from None
+        raise unavailable(str(e), code="no_decode_worker") from None
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One call that failed or stalled: on which worker, and after how many tokens it was sent."""
+
+    error: grpc.aio.AioRpcError | Stalled
+    address: str
+    sent: int
+
+    @property
+    def code(self) -> grpc.StatusCode | None:
+        """The call's status; None for a stall (no progress within the deadline)."""
+        return self.error.code() if isinstance(self.error, grpc.aio.AioRpcError) else None
+
+
 class Dispatcher:
     """Runs decode requests on the workers the router picks."""
 
@@ -193,13 +234,7 @@ class Dispatcher:
             prefill_address=prefill.grpc_address if prefill else "",
             prefill_worker_id=prefill.id if prefill else "",
         )
-        progress = _Progress()
-        tried: list[str] = []
-        # A worker that lost this stream while reachable (a keepalive starved on a busy host, a
-        # stall): with no other worker left it resumes the stream itself, as a new request would be
-        # sent there. One that refuses the connection (a dead process) is not tried again.
-        lone: str | None = None
-        refused: APIError | None = None  # the last "queue full" answer, if every worker is full
+        progress, attempts = _Progress(), _Attempts()
         deadline = time.monotonic() + self._timeout_s
         with contextlib.ExitStack() as queued:
             if prefill is not None:
@@ -211,20 +246,11 @@ class Dispatcher:
             while True:
                 try:
                     worker = await self._router.pick_decode(
-                        exclude=tried, prompt_token_ids=sub.prompt_token_ids
+                        exclude=attempts.tried, prompt_token_ids=sub.prompt_token_ids
                     )
                 except NoWorkerError as e:
-                    if lone is not None:
-                        tried, lone = [a for a in tried if a != lone], None
-                        continue
-                    if refused is not None:
-                        raise refused from None  # every worker tried is full: 429, not 503
-                    if progress.token_ids:
-                        raise unavailable(
-                            f"the decode worker failed mid-stream and no other can resume it: {e}",
-                            code="no_decode_worker",
-                        ) from None
-                    raise unavailable(str(e), code="no_decode_worker") from None
+                    attempts.none_left(e, progress)  # raises, unless the lone worker may resume it
+                    continue
                 address = worker.grpc_address
                 request = progress.request(base)
                 sent = len(progress.token_ids)
@@ -242,41 +268,60 @@ class Dispatcher:
                 except (grpc.aio.AioRpcError, Stalled) as e:
                     if progress.finished:
                         return  # everything arrived; only the call's ending failed
-                    code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-                    if not progress.token_ids:
-                        # Unreachable, or its queue is full: another worker may take it now.
-                        elsewhere = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            refused = rpc_error(e, prompt_param)  # type: ignore[arg-type]
-                        if elsewhere and len(tried) < MAX_ATTEMPTS - 1:
-                            self._router.forget(address)
-                            tried.append(address)
-                            continue
-                    if (code in MIGRATABLE or code is None) and progress.token_ids:
-                        if progress.migrations < self._max_migrations:
-                            progress.migrations += 1
-                            self._metrics.migrated("stalled" if code is None else "failed")
-                            log.warning(
-                                "decode worker %s failed mid-stream (%s): resuming %s after %d tokens",
-                                address,
-                                "no progress" if code is None else code.name,
-                                sub.request_id,
-                                len(progress.token_ids),
-                            )
-                            self._router.mark_failed(address)
-                            tried.append(address)
-                            if code is None or len(progress.token_ids) > sent:
-                                lone = address
-                            continue
-                        raise unavailable(
-                            f"the request failed on {progress.migrations + 1} decode workers",
-                            code="too_many_migrations",
-                        ) from None
-                    if not isinstance(e, grpc.aio.AioRpcError):
-                        raise unavailable("the decode worker stopped making progress") from None
-                    raise rpc_error(e, prompt_param, spec_param) from None
+                    failure = _Failure(e, address, sent)
+                    self._after(failure, sub.request_id, attempts, progress, (prompt_param, spec_param))
                 finally:
                     call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
+
+    def _after(
+        self,
+        failure: _Failure,
+        request_id: str,
+        attempts: _Attempts,
+        progress: _Progress,
+        params: tuple[str, str | None],
+    ) -> None:
+        """What a failed or stalled call leads to: returns to try again (another worker, or the same
+        one resuming), or raises the client's error."""
+        code, address = failure.code, failure.address
+        if not progress.token_ids:
+            # Unreachable, or its queue is full: another worker may take it now.
+            elsewhere = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                attempts.refused = rpc_error(failure.error, params[0])  # type: ignore[arg-type]
+            if elsewhere and len(attempts.tried) < MAX_ATTEMPTS - 1:
+                self._router.forget(address)
+                attempts.tried.append(address)
+                return
+        if (code in MIGRATABLE or code is None) and progress.token_ids:
+            self._migrate(failure, request_id, attempts, progress)
+            return
+        if not isinstance(failure.error, grpc.aio.AioRpcError):
+            raise unavailable("the decode worker stopped making progress") from None
+        raise rpc_error(failure.error, *params) from None
+
+    def _migrate(self, failure: _Failure, request_id: str, attempts: _Attempts, progress: _Progress) -> None:
+        """Leave the worker that lost the stream out of routing and resume elsewhere; with no other
+        worker left, it resumes there if it was reachable (it streamed on this call, or stalled)."""
+        if progress.migrations >= self._max_migrations:
+            raise unavailable(
+                f"the request failed on {progress.migrations + 1} decode workers",
+                code="too_many_migrations",
+            ) from None
+        code, address = failure.code, failure.address
+        progress.migrations += 1
+        self._metrics.migrated("stalled" if code is None else "failed")
+        log.warning(
+            "decode worker %s failed mid-stream (%s): resuming %s after %d tokens",
+            address,
+            "no progress" if code is None else code.name,
+            request_id,
+            len(progress.token_ids),
+        )
+        self._router.mark_failed(address)
+        attempts.tried.append(address)
+        if code is None or len(progress.token_ids) > failure.sent:
+            attempts.lone = address
 
     async def _chunks(self, call, progress: _Progress) -> AsyncIterator[baton_pb2.GenerateChunk]:
         """The call's chunks; once the request has its first token, a gap longer than the progress
