@@ -156,7 +156,8 @@ def add_migration_args(p: argparse.ArgumentParser) -> None:
         "--max-migrations",
         type=int,
         default=3,
-        help="times a request may resume on another decode worker when its own fails mid-stream",
+        help="times in a row, without a new token, a request may resume on another decode worker when "
+        "its own fails mid-stream",
     )
     p.add_argument(
         "--stream-progress-timeout",

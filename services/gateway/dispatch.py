@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 """Workers tried for one decode request when they are unreachable, or full, before the first token."""
+MAX_PATIENCE_DOUBLINGS = 3
+"""Each call of a stream that failed or stalled doubles the progress deadline of the stream's later
+calls, up to this many times (3 s, 6 s, 12 s, 24 s): a hung worker is left at the first deadline,
+while a host too busy to answer within it (every worker slow, a resumed request prefilled anew) is
+given time instead of having its streams moved back and forth."""
 MIGRATABLE = frozenset(
     [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN]
 )
@@ -101,6 +106,9 @@ class _Progress:
     text_chars: int = 0
     finished: bool = False
     migrations: int = 0
+    """Calls that failed or stalled mid-stream, each resumed on another call."""
+    unproductive: int = 0
+    """Of those, the ones since the latest token arrived (what ``max_migrations`` bounds)."""
     last: float | None = None
     """When its latest token arrived (``Dispatcher._observe``)."""
 
@@ -108,6 +116,16 @@ class _Progress:
         self.token_ids.extend(chunk.token_ids)
         self.text_chars += len(chunk.text)
         self.finished = self.finished or bool(chunk.finish_reason)
+        if chunk.token_ids:
+            self.unproductive = 0
+
+    def patience(self, progress_timeout_s: float) -> float | None:
+        """The longest a call may go without a chunk: none before the first token (the request's
+        deadline and the channel's keepalive apply), then the progress deadline, doubled for each
+        migration so far (``MAX_PATIENCE_DOUBLINGS``)."""
+        if not self.token_ids:
+            return None
+        return progress_timeout_s * 2 ** min(self.migrations, MAX_PATIENCE_DOUBLINGS)
 
     def request(self, base: baton_pb2.GenerateRequest) -> baton_pb2.GenerateRequest:
         """``base``, or, once tokens were sent, ``base`` resumed after them (prefilled where it goes)."""
@@ -126,17 +144,19 @@ class _Attempts:
     """The decode workers one request has tried."""
 
     tried: list[str] = field(default_factory=list)
-    lone: str | None = None
-    """A worker that lost this stream while reachable (a keepalive starved on a busy host, a
-    stall): with no other worker left it resumes the stream itself, as a new request would be sent
-    there. One that refuses the connection (a dead process) is not tried again."""
+    reachable: set[str] = field(default_factory=set)
+    """Workers that lost this stream while their process was there (a keepalive starved on a busy
+    host, a stall, a dropped connection): with no other worker left, they may resume it, as a new
+    request would be sent there. One that refuses the connection (a dead process) is not tried
+    again. Each try is a migration."""
     refused: APIError | None = None
     """The last "queue full" answer, if every worker is full."""
 
     def none_left(self, e: NoWorkerError, progress: _Progress) -> None:
-        """No worker to pick: the lone worker is let in again, or the client is told why."""
-        if self.lone is not None:
-            self.tried, self.lone = [a for a in self.tried if a != self.lone], None
+        """No worker to pick: the reachable ones are let in again, or the client is told why."""
+        if self.reachable:
+            self.tried = [a for a in self.tried if a not in self.reachable]
+            self.reachable.clear()
             return
         if self.refused is not None:
             raise self.refused from None  # every worker tried is full: 429, not 503
@@ -150,16 +170,23 @@ class _Attempts:
 
 @dataclass(frozen=True)
 class _Failure:
-    """One call that failed or stalled: on which worker, and after how many tokens it was sent."""
+    """One call that failed or stalled, and on which worker."""
 
     error: grpc.aio.AioRpcError | Stalled
     address: str
-    sent: int
 
     @property
     def code(self) -> grpc.StatusCode | None:
         """The call's status; None for a stall (no progress within the deadline)."""
         return self.error.code() if isinstance(self.error, grpc.aio.AioRpcError) else None
+
+    @property
+    def unreachable(self) -> bool:
+        """The worker's address refused the connection: no process listens there any more."""
+        if not isinstance(self.error, grpc.aio.AioRpcError):
+            return False
+        details = self.error.details() or ""
+        return "Connection refused" in details or "failed to connect to all addresses" in details
 
 
 class Dispatcher:
@@ -173,8 +200,10 @@ class Dispatcher:
         max_migrations: int = 3,
         progress_timeout_s: float = 10.0,
     ) -> None:
-        """``max_migrations``: how many times one decode request may move to another worker;
-        ``progress_timeout_s``: the longest a started stream may go without a chunk."""
+        """``max_migrations``: how many times in a row one decode request may move to another
+        worker without a new token;
+        ``progress_timeout_s``: the longest a started stream may go without a chunk, before its
+        first migration (``_Progress.patience``)."""
         self._router = router
         self._metrics = metrics
         self._timeout_s = timeout_s
@@ -249,11 +278,10 @@ class Dispatcher:
                         exclude=attempts.tried, prompt_token_ids=sub.prompt_token_ids
                     )
                 except NoWorkerError as e:
-                    attempts.none_left(e, progress)  # raises, unless the lone worker may resume it
+                    attempts.none_left(e, progress)  # raises, unless a reachable worker may resume it
                     continue
                 address = worker.grpc_address
                 request = progress.request(base)
-                sent = len(progress.token_ids)
                 call = self._router.decode_stub(address).Generate(
                     request, timeout=max(deadline - time.monotonic(), 0.001)
                 )
@@ -268,7 +296,7 @@ class Dispatcher:
                 except (grpc.aio.AioRpcError, Stalled) as e:
                     if progress.finished:
                         return  # everything arrived; only the call's ending failed
-                    failure = _Failure(e, address, sent)
+                    failure = _Failure(e, address)
                     self._after(failure, sub.request_id, attempts, progress, (prompt_param, spec_param))
                 finally:
                     call.cancel()  # a no-op once the call is done; aborts it on the worker otherwise
@@ -302,14 +330,16 @@ class Dispatcher:
 
     def _migrate(self, failure: _Failure, request_id: str, attempts: _Attempts, progress: _Progress) -> None:
         """Leave the worker that lost the stream out of routing and resume elsewhere; with no other
-        worker left, it resumes there if it was reachable (it streamed on this call, or stalled)."""
-        if progress.migrations >= self._max_migrations:
+        worker left, it resumes there unless it refused the connection."""
+        if progress.unproductive >= self._max_migrations:
             raise unavailable(
-                f"the request failed on {progress.migrations + 1} decode workers",
+                f"the request failed on {progress.unproductive + 1} decode workers in a row "
+                "without a new token",
                 code="too_many_migrations",
             ) from None
         code, address = failure.code, failure.address
         progress.migrations += 1
+        progress.unproductive += 1
         self._metrics.migrated("stalled" if code is None else "failed")
         log.warning(
             "decode worker %s failed mid-stream (%s): resuming %s after %d tokens",
@@ -320,15 +350,16 @@ class Dispatcher:
         )
         self._router.mark_failed(address)
         attempts.tried.append(address)
-        if code is None or len(progress.token_ids) > failure.sent:
-            attempts.lone = address
+        if not failure.unreachable:
+            attempts.reachable.add(address)
 
     async def _chunks(self, call, progress: _Progress) -> AsyncIterator[baton_pb2.GenerateChunk]:
         """The call's chunks; once the request has its first token, a gap longer than the progress
-        deadline raises ``Stalled`` (a hung worker: a dead one fails the call by itself)."""
+        deadline (``_Progress.patience``) raises ``Stalled`` (a hung worker: a dead one fails the
+        call by itself)."""
         it = call.__aiter__()
         while True:
-            wait = self._progress_timeout_s if progress.token_ids else None
+            wait = progress.patience(self._progress_timeout_s)
             try:
                 chunk = await asyncio.wait_for(anext(it), wait)
             except StopAsyncIteration:

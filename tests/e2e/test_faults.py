@@ -265,13 +265,6 @@ def test_a_hung_decode_worker_is_migrated_within_the_progress_deadline(cluster):
     cluster.workers["decode-b"].wait(10)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passed in stop 34's CI and here, failed in a CI run of 2026-12-05 (1 stream of 4 ended "
-    "no_decode_worker): suspected, the retry on the lone worker fails at once on a channel its "
-    "keepalive closed during the freeze (UNAVAILABLE, no new token), which leaves it out for good; "
-    "not fixed",
-)
 def test_a_lone_decode_worker_that_hangs_and_comes_back_loses_no_stream(cluster):
     """The only decode worker stops answering past the progress deadline (a host starved of CPU, a
     keepalive answered late): each stream fails there, has no other worker to move to, and resumes
