@@ -7,6 +7,7 @@ failed step does (its requests fail, the engine goes on while its books balance)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -82,6 +83,8 @@ class EngineCore:
         # Failed steps since the last good one (``_fail_step``): the engine gives up at
         # ``max_consecutive_failed_steps``.
         self._failed_steps_in_a_row = 0
+        self._arrivals = itertools.count()  # the order requests came in (``Request.arrival_time``)
+        self._remote: dict[str, Request] = {}  # parked while another worker prefills them
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, include_unfinished: bool = False) -> list[RequestOutput]:

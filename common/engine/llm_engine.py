@@ -4,13 +4,11 @@ parts it runs are built by ``engine_build``, and the text out is ``OutputProcess
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from baton.common.engine.config import EngineConfig
 from baton.common.engine.engine_build import parse_dtype
 from baton.common.engine.engine_core import EngineCore, EngineStepError
 from baton.common.engine.outputs import RequestOutput
@@ -62,20 +60,6 @@ class LandedPrefix:
 class LLMEngine(EngineCore):
     """One engine over one model: ``EngineCore``'s parts and step loop, and the requests' way in.
     Not thread-safe: one loop drives ``step()``."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        model,
-        tokenizer,
-        eos_token_ids: frozenset[int],
-        model_name: str = "model",
-        draft_model=None,
-    ):
-        """``draft_model``: the loaded draft model, for ``speculative="draft"``."""
-        super().__init__(config, model, tokenizer, eos_token_ids, model_name, draft_model)
-        self._counter = itertools.count()  # arrival order
-        self._remote: dict[str, Request] = {}  # parked while another worker prefills them
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
@@ -136,7 +120,7 @@ class LLMEngine(EngineCore):
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            arrival_time=next(self._counter),
+            arrival_time=next(self._arrivals),
         )
         for t in resume_token_ids:  # their log-probabilities were sent already: placeholders
             req.append_output(t, 0.0 if params.logprobs is not None else None)
@@ -202,7 +186,7 @@ class LLMEngine(EngineCore):
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            arrival_time=next(self._counter),
+            arrival_time=next(self._arrivals),
         )
         hit_blocks, num_hit = self.kv.get_computed_blocks(req)
         if not self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, cache=False):
