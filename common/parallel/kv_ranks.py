@@ -71,6 +71,7 @@ class Expect(Command):
 @dataclass(frozen=True)
 class Cancel(Command):
     transfer_id: str
+    sender_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class RankKV:
             self._expect(msg)
         elif isinstance(msg, Cancel):
             if self._receiver is not None:
-                self._receiver.cancel(msg.transfer_id)
+                self._receiver.cancel(msg.transfer_id, msg.sender_lost)
         elif isinstance(msg, Connect):
             self._connect(msg, cache)
         elif isinstance(msg, Send):

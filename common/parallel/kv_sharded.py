@@ -199,10 +199,10 @@ class ShardedReceiver(KVReceiver):
         for h in self._armed.pop(transfer_id, []):
             await h.wait_async(timeout_s)
 
-    def cancel(self, transfer_id: str) -> None:
+    def cancel(self, transfer_id: str, sender_lost: bool = False) -> None:
         self._armed.pop(transfer_id, None)
-        self._local.cancel(transfer_id)
-        self._link.tell(Cancel(transfer_id))
+        self._local.cancel(transfer_id, sender_lost)
+        self._link.tell(Cancel(transfer_id, sender_lost))
 
     def progress(self, transfer_id: str) -> TransferProgress | None:
         # Rank 0's: it is fed by prefill rank 0 under every plan (the first holder of layer 0's

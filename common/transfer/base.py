@@ -266,7 +266,11 @@ class KVReceiver(ABC):
         return None
 
     @abstractmethod
-    def cancel(self, transfer_id: str) -> None: ...
+    def cancel(self, transfer_id: str, sender_lost: bool = False) -> None:
+        """Stop expecting the transfer. ``sender_lost``: its sender is unreachable (hung, dead or
+        cut off), so a message of it that arrives later is not received at all, where a
+        cancelled transfer's late payload is otherwise received and dropped (see
+        ``ucx.UcxReceiver._receive``)."""
 
     @abstractmethod
     def progress(self, transfer_id: str) -> TransferProgress | None: ...

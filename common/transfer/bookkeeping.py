@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -96,6 +97,10 @@ class FaultHold:
             return self.HEAD_ONLY
 
 
+LOST_KEPT = 4096
+"""Transfers given up with ``sender_lost`` that a receiver remembers (the oldest are forgotten)."""
+
+
 @dataclass
 class _Expected:
     handle: TransferHandle
@@ -130,6 +135,7 @@ class ExpectedTransfers:
         self._lock = threading.Lock()
         self._pending: dict[str, _Expected] = {}
         self._owner: dict[int, str] = {}  # destination block -> pending transfer id
+        self._lost: OrderedDict[str, None] = OrderedDict()  # the last LOST_KEPT sender_lost ids
 
     def expect(
         self, transfer_id: str, dst_block_ids: Sequence[int], timeout_s: float | None = None
@@ -212,8 +218,18 @@ class ExpectedTransfers:
     def drop(self, nbytes: int) -> None:
         self._counters.add(dropped_bytes=nbytes)
 
-    def cancel(self, transfer_id: str) -> None:
+    def cancel(self, transfer_id: str, sender_lost: bool = False) -> None:
+        if sender_lost:
+            with self._lock:
+                self._lost[transfer_id] = None
+                while len(self._lost) > LOST_KEPT:
+                    self._lost.popitem(last=False)
         self._fail(lambda tid, e: tid == transfer_id, TransferError(f"transfer {transfer_id!r} cancelled"))
+
+    def sender_lost(self, transfer_id: str) -> bool:
+        """Whether the transfer was given up because its sender is unreachable (``cancel``)."""
+        with self._lock:
+            return transfer_id in self._lost
 
     def fail_peer(self, peer: Hashable, error: TransferError) -> None:
         """The transport lost ``peer``: fail every transfer it had started writing."""
@@ -313,8 +329,8 @@ class TableReceiver(KVReceiver):
         ids = check_block_ids(dst_block_ids, len(self._cache), "destination")
         return self._table.expect(transfer_id, ids, timeout_s)
 
-    def cancel(self, transfer_id: str) -> None:
-        self._table.cancel(transfer_id)
+    def cancel(self, transfer_id: str, sender_lost: bool = False) -> None:
+        self._table.cancel(transfer_id, sender_lost)
 
     def progress(self, transfer_id: str) -> TransferProgress | None:
         return self._table.progress(transfer_id)

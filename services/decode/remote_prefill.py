@@ -247,12 +247,13 @@ class RemotePrefill:
         written into are quarantined, not waited for."""
         noticed = time.monotonic()
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        if isinstance(error, PrefillStalled) or code in (
+        lost = isinstance(error, PrefillStalled) or code in (
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.DEADLINE_EXCEEDED,
-        ):
+        )
+        if lost:
             self._failed[address] = noticed + self.failed_hold_s
-        self.receiver.cancel(rid)
+        self.receiver.cancel(rid, sender_lost=lost)
         landed, writing = await self._landed_and_writing(rid, handle, dst)
         if code == grpc.StatusCode.DATA_LOSS:
             landed = frozenset()

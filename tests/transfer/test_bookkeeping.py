@@ -137,6 +137,23 @@ def test_blocks_cannot_be_expected_twice_while_pending():
     table.expect("b", [2, 3])  # released once the cancelled transfer settled
 
 
+def test_a_transfer_given_up_for_a_lost_sender_is_remembered_and_a_plain_cancel_is_not(monkeypatch):
+    """The UCX receiver leaves such a transfer's late messages unreceived (``UcxReceiver._receive``):
+    posting a receive for a dead sender's rendezvous message crashed UCX in tests/hosts."""
+    from baton.common.transfer import bookkeeping
+
+    monkeypatch.setattr(bookkeeping, "LOST_KEPT", 2)
+    table, _ = _table()
+    for tid in ("plain", "lost-1", "lost-2", "lost-3"):
+        handle = table.expect(tid, [1, 2])
+        table.cancel(tid, sender_lost=tid.startswith("lost"))
+        with pytest.raises(TransferError, match="cancelled"):
+            handle.wait(0)
+        assert not table.claim(tid, [1], peer="p")  # a late message lands nowhere
+    assert not table.sender_lost("plain")  # its late payload is received and dropped
+    assert [table.sender_lost(t) for t in ("lost-1", "lost-2", "lost-3")] == [False, True, True]
+
+
 def test_cancel_waits_for_a_message_in_flight_before_failing():
     table, counters = _table()
     handle = table.expect("a", [1, 2])
