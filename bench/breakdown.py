@@ -90,13 +90,17 @@ def start_cluster(up_args: tuple[str, ...], logs: Path, timeout_s: float) -> tup
     deadline = time.monotonic() + timeout_s
     seen = []
     assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if "Baton is ready" in line:
-            return proc, port
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "Baton is ready" in line:
+                return proc, port
+    except BaseException:  # a signal or Ctrl-C while it starts: it is in its own session, stop it
+        stop_cluster(proc)
+        raise
     stop_cluster(proc)
     tails = "".join(p.read_text()[-1500:] for p in sorted(logs.glob("*.log")))
     raise RuntimeError(f"baton up did not become ready:\n{''.join(seen)}\n{tails}")

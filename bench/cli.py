@@ -13,6 +13,7 @@ def register(subparsers) -> None:
     """``baton bench <name>`` for every benchmark, and ``baton profile``."""
     from baton.bench import (
         accuracy,
+        autoscale_emulated,
         breakdown,
         fidelity,
         gateway,
@@ -26,7 +27,18 @@ def register(subparsers) -> None:
 
     bench = subparsers.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _register_offline(bench)
-    for module in (serve, transfer, breakdown, goodput, gateway, kv_step, accuracy, roofline, fidelity):
+    for module in (
+        serve,
+        transfer,
+        breakdown,
+        goodput,
+        gateway,
+        kv_step,
+        accuracy,
+        roofline,
+        fidelity,
+        autoscale_emulated,
+    ):
         module.register(bench)
     profile.register(subparsers)
 

@@ -33,6 +33,8 @@ PURE_MODULES = [
     "baton.kernels.kv_cache_dtypes",
     "baton.kernels.isa",
     "baton.bench.roofline",
+    "baton.bench.autoscale_figures",
+    "baton.bench.autoscale_emulated",
     "baton.planner.profile",
     "baton.planner.autoscale",
     "baton.planner.autoscale_sim",
