@@ -246,7 +246,9 @@ def summary(result: dict) -> str:
         f"  load: {s['rate']:g} req/s for {s['phase_a_s']:g} s, then {2 * s['rate']:g} req/s for"
         f" {s['phase_b_s']:g} s; {s['input_len']} -> {s['output_len']} tokens; {result['num_requests']} requests",
         f"  1. first scale-up decision {'none' if delay is None else f'{delay:.1f} s'} after the step"
-        f" (bar <= {f['decision_delay_bar_s']:g} s): {ok[f['decision_delay_met']]}",
+        f" (bar <= {f['decision_delay_bar_s']:g} s): {ok[f['decision_delay_met']]}; decision no."
+        f" {f['decision_delay_nth']} after the step, which came {f['step_after_last_decision_s']} s after"
+        " the decision before it",
         f"  2. reversals at constant load {f['reversals_constant_phase']} over {f['constant_phase_s']:g} s"
         f" = {f['reversals_per_10min']} per 10 min (bar <= 1): {ok[f['reversals_met']]};"
         f" whole run {f['reversals_whole_run']}",

@@ -5,7 +5,9 @@ each line stamped with the seconds since the load began, and every request's arr
 TPOT; this turns them into the three figures:
 
 1. **decision delay**: seconds from the rate step to the first decision that adds a replica to
-   some pool (``desired > current``), against one interval;
+   some pool (``desired > current``), against one interval; with which decision after the step it
+   was and how far into an interval the step fell (a step just before a decision shows in it only
+   in part: the next one is the first to see a whole interval of it);
 2. **reversals**: changes of direction of a pool's moves (up then down, or down then up), counted as
    ``planner/autoscale_sim.py``'s ``AutoscaledRun.reversals`` counts them, over the constant phase
    and scaled to 10 minutes, against one;
@@ -93,9 +95,11 @@ def reversals(
     return sum(1 for a, b in zip(signs, signs[1:]) if a != b)
 
 
-def decision_delay(decisions: Sequence[LoggedDecision], step_s: float) -> float | None:
-    """Seconds from ``step_s`` to the first decision at or after it that adds a replica; None if none did."""
-    return next((d.t_s - step_s for d in decisions if d.t_s >= step_s and d.adds()), None)
+def decision_delay(decisions: Sequence[LoggedDecision], step_s: float) -> tuple[float, int] | None:
+    """Seconds from ``step_s`` to the first decision at or after it that adds a replica, and which
+    decision after the step that was (1: the first); None if none did."""
+    after = [d for d in decisions if d.t_s >= step_s]
+    return next(((d.t_s - step_s, k) for k, d in enumerate(after, 1) if d.adds()), None)
 
 
 def out_of_slo(
@@ -132,16 +136,19 @@ def figures(
     per_pool = {p: reversals(decisions, p, phases.settle_s, phases.step_s) for p in pools}
     worst = max(per_pool.values(), default=0)
     per_10min = worst * 600.0 / constant_s if constant_s > 0 else None
-    delay = decision_delay(decisions, phases.step_s)
+    delay, nth = decision_delay(decisions, phases.step_s) or (None, None)
+    before = [d.t_s for d in decisions if d.t_s < phases.step_s]
     bad_after = out_of_slo(requests, *slo, phases.step_s, phases.end_s)
     bar = (cold_start_s + 10.0) * phases.rate_after
     return {
-        "decision_delay_s": delay,
+        "decision_delay_s": None if delay is None else round(delay, 3),
         "decision_delay_bar_s": interval_s,
         "decision_delay_met": delay is not None and delay <= interval_s,
+        "decision_delay_nth": nth,
+        "step_after_last_decision_s": round(phases.step_s - before[-1], 3) if before else None,
         "reversals_constant_phase": per_pool,
         "constant_phase_s": constant_s,
-        "reversals_per_10min": per_10min,
+        "reversals_per_10min": None if per_10min is None else round(per_10min, 3),
         "reversals_met": per_10min is not None and per_10min <= 1.0,
         "reversals_whole_run": {p: reversals(decisions, p) for p in pools},
         "out_of_slo_after_step": bad_after,

@@ -68,7 +68,8 @@ def test_the_delay_is_to_the_first_decision_after_the_step_that_adds_a_replica()
         _logged(622, prefill=(1, 2), decode=(3, 3)),
         _logged(632, decode=(3, 5)),
     ]
-    assert decision_delay(ds, 600.0) == 22.0
+    assert decision_delay(ds, 600.0) == (22.0, 3)
+    assert decision_delay(ds, 590.0) == (5.0, 1)
     assert decision_delay(ds[:3], 600.0) is None
 
 
@@ -97,6 +98,8 @@ def test_figures_set_each_against_its_bar():
     good = [RequestRecord(100.0 + i, 100, 10, 64) for i in range(50)]
     f = figures(ds, [*good, *bad], Phases(600.0, 780.0, 6.0), (1000.0, 30.0), 10.0, 30.0)
     assert (f["decision_delay_s"], f["decision_delay_met"]) == (7.0, True)
+    assert f["step_after_last_decision_s"] == 200.0
+    assert f["decision_delay_nth"] == 1
     assert f["reversals_constant_phase"] == {"decode": 2}
     assert (f["reversals_per_10min"], f["reversals_met"]) == (2.0, False)
     assert (f["out_of_slo_after_step"], f["requests_after_step"], f["out_of_slo_before_step"]) == (30, 30, 0)
@@ -105,7 +108,8 @@ def test_figures_set_each_against_its_bar():
     assert settled["reversals_constant_phase"] == {"decode": 0}
     assert settled["reversals_per_10min"] == 0.0 and settled["reversals_met"]
     late = figures(ds[:3], bad, Phases(600.0, 780.0, 6.0), (1000.0, 30.0), 5.0, 1.0)
-    assert late["decision_delay_s"] is None and not late["decision_delay_met"]
+    assert late["decision_delay_s"] is None and late["decision_delay_nth"] is None
+    assert not late["decision_delay_met"]
     assert late["out_of_slo_bar"] == 66.0 and late["out_of_slo_met"]
 
 
