@@ -12,8 +12,8 @@ and advertising its host's address. The client is a host too: the test's thread 
 - A prefill host cut off mid-transfer (its link slowed so the cut lands inside the KV), over UCX and
   over gloo: the request completes within the keepalive's ~2 s plus the recompute, the blocks that
   landed are kept and only the rest is computed on the decode host. Then the cut-off prefill worker
-  dies and its link comes back: the decode worker should live on (xfail: found here, it sometimes
-  segfaults).
+  dies and its link comes back: the decode worker lives on (found here: it segfaulted in UCX, see
+  docs/reliability.md).
 
 Skipped without root or ``ip netns`` unless ``BATON_NETNS_TESTS=require``. Times are printed
 (``pytest -s``) for docs/reliability.md.
@@ -237,14 +237,6 @@ def test_a_prefill_host_cut_off_mid_transfer_costs_only_the_rest_of_the_prompt(
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="found here: when the link of a prefill host that died while cut off came back, the decode "
-    "worker segfaulted in its ucxx receiver (a late payload into the freed buffer of a receive given up "
-    "on; fixed by UcxReceiver._keep_posted, 11 of 11 runs survived after, 1 of 5 died before); kept "
-    "non-strict: 7 of 7 module runs survived on a quiet machine (2026-12-05), and the next CI run's "
-    "decode worker died of SIGSEGV again (ucx, under the busy runner's load): not fixed",
-)
 def test_the_decode_worker_outlives_a_dead_prefill_hosts_link_coming_back(measured):
     """After each prefill-cut test the prefill worker was killed while cut off and its link put back."""
     if "after_heal" not in measured:
