@@ -15,16 +15,17 @@
 //     streaming softmax, O = P V) on K/V packed once per (group, kv head) into a thread-local
 //     buffer -- the paged prefill kernel's inner loop (paged_prefill.cpp) without a causal mask.
 //     It writes each (row, head)'s normalized partial output and log-sum-exp (fp32 scratch).
-//  2. Suffix pass, per (row, kv head): the paged decode kernel's loop (paged_attention.cpp) over
-//     the row's own blocks only (from group_blocks on), started from the shared pass's state
-//     (running max = lse, sum = 1, accumulator = partial output): continuing the online softmax
-//     from a partial result is the log-sum-exp merge (FlashInfer's merge_state) done in registers.
+//  2. Suffix pass, per (row, kv head): the paged decode kernel's loop (decode_loop.h, which
+//     paged_attention.cpp runs from an empty state) over the row's own blocks only (from
+//     group_blocks on), started from the shared pass's state (running max = lse, sum = 1,
+//     accumulator = partial output): continuing the online softmax from a partial result is the
+//     log-sum-exp merge (FlashInfer's merge_state) done in registers.
 // Rows in no group run pass 2 alone over their whole context, as the plain kernel does.
 // Both kernels' AVX-512 helpers (row loaders, dot products, exp polynomials, chunk packing) come
-// from attention_common.h; the two loops themselves are adaptations of theirs (no mask, an LSE out;
-// a start from a state). cascade_shared.h holds the parameters and the AVX-512 shared pass,
-// cascade_amx.h the shared pass on AMX tiles; this file the portable path (no AVX-512, or other
-// G / D: a scalar loop for both passes), the suffix pass, the scheduling and the entry point.
+// from attention_common.h; the shared pass's loop is an adaptation of the prefill kernel's (no
+// mask, an LSE out). cascade_shared.h holds the parameters and the AVX-512 shared pass,
+// cascade_amx.h the shared pass on AMX tiles; this file the portable shared pass (no AVX-512, or
+// other D: a scalar loop), the scheduling and the entry point.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,6 +43,7 @@
 #include "attention_common.h"
 #include "cascade_amx.h"
 #include "cascade_shared.h"
+#include "decode_loop.h"
 
 namespace {
 
@@ -88,60 +90,7 @@ void shared_generic(const CascadeParams& p, const SharedItem& it, std::vector<fl
   }
 }
 
-// Suffix pass of one (row, kv head), from the shared state, one key at a time.
-template <typename T>
-void suffix_generic(const CascadeParams& p, int64_t b, int64_t kh, std::vector<float>& scratch) {
-  const int64_t G = p.G, D = p.D, bs = p.bs;
-  const int64_t len = p.lens[b];
-  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
-  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
-  scratch.assign(static_cast<size_t>(2 * G * D + 2 * G), 0.f);
-  float* qf = scratch.data();
-  float* acc = qf + G * D;
-  float* m = acc + G * D;
-  float* l = m + G;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t h = kh * G + g;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * p.q_hstride + d]);
-    const float lse = p.state_lse[b * p.H + h];
-    m[g] = lse;
-    if (lse > kNegInf) {
-      l[g] = 1.f;
-      const float* o = p.state_o + (b * p.H + h) * D;
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] = o[d];
-    }
-  }
-  const int32_t* bt = p.block_tables + b * p.bt_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
-  for (int64_t t = static_cast<int64_t>(p.start_block[b]) * bs; t < len; ++t) {
-    const T* krow = kbase + bt[t / bs] * p.k_bstride + (t % bs) * D;
-    const T* vrow = vbase + bt[t / bs] * p.v_bstride + (t % bs) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[d]);
-      s *= p.scale;
-      const float m_new = std::max(m[g], s);
-      const float alpha = std::exp(m[g] - m_new);
-      const float pe = std::exp(s - m_new);
-      l[g] = l[g] * alpha + pe;
-      m[g] = m_new;
-      float* ag = acc + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * alpha + pe * to_float(vrow[d]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * p.o_hstride + d] = from_float<T>(acc[g * D + d] * inv);
-  }
-}
-
 #ifdef BATON_CASCADE_AVX512
-
-
 using SharedRangeFn = void (*)(const CascadeParams&, const std::vector<SharedItem>&, int64_t,
                                int64_t);
 
@@ -162,155 +111,6 @@ SharedRangeFn pick_shared(int64_t D) {
   return nullptr;
 }
 
-
-// ---------------------------------------------------------------------------------------------
-// Suffix pass: paged_attention.cpp's pair loop, from each row's start block and shared state.
-
-// Walks the (pair, block) sequence of a thread's range from each row's start block,
-// kPrefetchBlocks ahead of the computation.
-struct PrefetchCursor {
-  const CascadeParams* p = nullptr;
-  int64_t pair = 0, end = 0, block = 0, elem_size = 0;
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t rows = 0;
-
-  void init(const CascadeParams& params, int64_t begin_pair, int64_t end_pair, int64_t esize) {
-    p = &params;
-    pair = begin_pair;
-    end = end_pair;
-    block = begin_pair < end_pair ? p->start_block[begin_pair / p->KV] - 1 : -1;
-    elem_size = esize;
-    advance();
-  }
-  void advance() {
-    ++block;
-    while (pair < end) {
-      const int64_t b = pair / p->KV, kh = pair % p->KV;
-      const int64_t len = p->lens[b];
-      if (block * p->bs < len) {
-        const int64_t id = p->block_tables[b * p->bt_stride + block];
-        const int64_t head = kh * p->head_stride;
-        k = static_cast<const char*>(p->k) + (id * p->k_bstride + head) * elem_size;
-        v = static_cast<const char*>(p->v) + (id * p->v_bstride + head) * elem_size;
-        rows = std::min(p->bs, len - block * p->bs);
-        return;
-      }
-      ++pair;
-      block = pair < end ? p->start_block[pair / p->KV] : 0;
-    }
-    k = v = nullptr;
-    rows = 0;
-  }
-};
-
-template <typename T, int G, int D>
-void suffix_avx512(const CascadeParams& p, int64_t b, int64_t kh, PrefetchCursor& pf) {
-  using R = Row<T, D>;
-  constexpr int NV = D / 16;
-  const int64_t bs = p.bs;
-  const int64_t len = p.lens[b];
-  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
-  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
-
-  Dot<T, G, D> dot;
-  dot.init(q, p.q_hstride);
-  __m512 acc[G][NV];
-  __m512 m[G], l[G];  // running max (all lanes equal) and lane-wise partial softmax sums
-  alignas(64) float tmp[16 * NV];
-  for (int g = 0; g < G; ++g) {
-    const int64_t h = kh * G + g;
-    const float lse = p.state_lse[b * p.H + h];
-    m[g] = _mm512_set1_ps(lse);
-    if (lse > kNegInf) {  // the shared pass's result as a state: max lse, sum 1, acc its output
-      const float* o = p.state_o + (b * p.H + h) * D;
-      for (int c = 0; c < NV; ++c)
-        for (int i = 0; i < 16; ++i) tmp[16 * c + i] = o[R::dim(c, i)];
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_load_ps(tmp + 16 * c);
-      l[g] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(1.f));
-    } else {
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
-      l[g] = _mm512_setzero_ps();
-    }
-  }
-  alignas(64) float prob[G][16];
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-
-  const int32_t* bt = p.block_tables + b * p.bt_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
-  const int64_t n_blocks = (len + bs - 1) / bs;
-  constexpr int64_t kRowBytes = D * sizeof(T);
-  for (int64_t j = p.start_block[b]; j < n_blocks; ++j) {
-    const T* kb = kbase + bt[j] * p.k_bstride;
-    const T* vb = vbase + bt[j] * p.v_bstride;
-    const int64_t blen = std::min(bs, len - j * bs);
-    const char* pk = pf.k;
-    const char* pv = pf.v;
-    const int64_t p_rows = pf.rows;
-    for (int64_t t0 = 0; t0 < blen; t0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
-      const T* kr = kb + t0 * D;
-      const T* vr = vb + t0 * D;
-      __m512 s[G];
-      if (n == 16) {
-        scores16<T, G, D, true>(dot, kr, n, s);
-      } else {
-        scores16<T, G, D, false>(dot, kr, n, s);
-      }
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-      for (int g = 0; g < G; ++g) {
-        const __m512 sg = _mm512_mask_mul_ps(neg_inf, valid, s[g], scale);
-        const __m512 m_new = _mm512_max_ps(m[g], bcast_max(sg));
-        if (_mm512_cmp_ps_mask(m_new, m[g], _CMP_GT_OQ)) {
-          const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));
-          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
-          l[g] = _mm512_mul_ps(l[g], alpha);
-          m[g] = m_new;
-        }
-        const __m512 pg = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sg, m[g])));
-        _mm512_store_ps(prob[g], pg);
-        l[g] = _mm512_add_ps(l[g], pg);
-      }
-      for (int t = 0; t < n; ++t) {
-        if (t0 + t < p_rows) prefetch_row<kRowBytes>(pk, pv, t0 + t);
-        __m512 v[NV];
-        R::load(vr + t * D, v);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) {
-          const __m512 pb = _mm512_set1_ps(prob[g][t]);
-#pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pb, v[c], acc[g][c]);
-        }
-      }
-    }
-    for (int64_t r = blen; r < p_rows; ++r) prefetch_row<kRowBytes>(pk, pv, r);
-    pf.advance();
-  }
-
-  for (int g = 0; g < G; ++g) {
-    const float lsum = _mm512_reduce_add_ps(l[g]);
-    const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g][c], inv));
-    T* og = out + g * p.o_hstride;
-    for (int c = 0; c < NV; ++c)
-      for (int i = 0; i < 16; ++i) og[R::dim(c, i)] = from_float<T>(tmp[16 * c + i]);
-  }
-}
-
-template <typename T>
-using SuffixFn = void (*)(const CascadeParams&, int64_t, int64_t, PrefetchCursor&);
-
-template <typename T>
-SuffixFn<T> pick_suffix(int64_t G, int64_t D) {
-#define BATON_CASE(GG, DD) \
-  if (G == GG && D == DD) return &suffix_avx512<T, GG, DD>;
-  BATON_CASE(1, 64) BATON_CASE(2, 64) BATON_CASE(3, 64) BATON_CASE(4, 64)
-  BATON_CASE(1, 128) BATON_CASE(2, 128) BATON_CASE(3, 128) BATON_CASE(4, 128)
-#undef BATON_CASE
-  return nullptr;
-}
 #endif  // BATON_CASCADE_AVX512
 
 // Contiguous ranges [bounds[i], bounds[i+1]) of `work` (prefix sums, work.size() = n + 1) of about
@@ -401,30 +201,7 @@ void run_suffix(const CascadeParams& p, int64_t B) {
     const int64_t b = i / p.KV;
     work[i + 1] = work[i] + (p.lens[b] - static_cast<int64_t>(p.start_block[b]) * p.bs + 32);
   }
-#ifdef BATON_CASCADE_AVX512
-  const SuffixFn<T> fast = pick_suffix<T>(p.G, p.D);
-#endif
-  parallel_ranges(work, 2048, [&](int64_t lo, int64_t hi) {
-#ifdef BATON_CASCADE_AVX512
-    if (fast != nullptr) {
-      PrefetchCursor pf;
-      pf.init(p, lo, hi, sizeof(T));
-      const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(T));
-      for (int k = 0; k < kPrefetchBlocks; ++k) {  // nothing to overlap these with
-        for (int64_t r = 0; r < pf.rows; ++r)
-          for (int64_t o = 0; o < row_bytes; o += 64) {
-            _mm_prefetch(pf.k + r * row_bytes + o, BATON_PREFETCH_HINT);
-            _mm_prefetch(pf.v + r * row_bytes + o, BATON_PREFETCH_HINT);
-          }
-        pf.advance();
-      }
-      for (int64_t i = lo; i < hi; ++i) fast(p, i / p.KV, i % p.KV, pf);
-      return;
-    }
-#endif
-    std::vector<float> scratch;
-    for (int64_t i = lo; i < hi; ++i) suffix_generic<T>(p, i / p.KV, i % p.KV, scratch);
-  });
+  parallel_ranges(work, 2048, [&](int64_t lo, int64_t hi) { decode_range<T, true>(p, lo, hi); });
 }
 
 }  // namespace

@@ -7,16 +7,13 @@
 //   context_lens: [B] int32                      (0 gives a zero output row)
 //   out:          [B, H, D] in q's dtype         (inner dim contiguous)
 //
-// Work is split over (sequence, kv head) pairs; the G = H / KV query heads of a pair share every K
-// and V row read. Streaming softmax in fp32, chunk by chunk (16 tokens, never crossing a block).
-// The AVX-512 path computes 16 token scores per head with a transposing reduction tree, one exp per
-// 16 tokens, and converts bf16 to fp32 in registers (a shift for the even elements, a mask for the
-// odd ones, so V accumulates in an even/odd order that is undone when the output is written). With
-// AVX512-BF16 the q.k products of bf16 inputs use vdpbf16ps (bf16 products are exact in fp32).
-// Each thread gets a contiguous range of pairs of about equal token work (at::parallel_for, torch's
-// own pool) and software-prefetches K/V rows two blocks ahead along that range, since random block
-// placement defeats the hardware prefetchers. The portable path (no AVX-512, or other G / D) is a
-// plain per-token loop.
+// Work is split over (sequence, kv head) pairs: each thread gets a contiguous range of pairs of
+// about equal token work (at::parallel_for, torch's own pool) and runs decode_loop.h's loop over it
+// from an empty state and block 0 (cascade.cpp's suffix pass runs the same loop from a state). That
+// header describes the loop: the G = H / KV query heads of a pair share every K and V row read; on
+// AVX-512, 16 token scores per head at a time (with AVX512-BF16 the q.k products of bf16 inputs
+// use vdpbf16ps: bf16 products are exact in fp32) and K/V rows prefetched two blocks ahead along
+// the thread's range; elsewhere (no AVX-512, or other G / D) a plain per-token loop.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,10 +21,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -36,6 +30,7 @@
 #endif
 
 #include "attention_common.h"
+#include "decode_loop.h"
 
 namespace {
 
@@ -54,193 +49,6 @@ struct Params {
   const int32_t* lens;
   float scale;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Portable path: any G and D, one token at a time.
-template <typename T>
-void attend_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<float>& scratch) {
-  const int64_t G = p.G, D = p.D, bs = p.bs;
-  const int64_t len = p.lens[b];
-  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
-  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
-  scratch.assign(static_cast<size_t>(2 * G * D + 2 * G), 0.f);
-  float* qf = scratch.data();
-  float* acc = qf + G * D;
-  float* m = acc + G * D;
-  float* l = m + G;
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * p.q_hstride + d]);
-    m[g] = -std::numeric_limits<float>::infinity();
-  }
-  const int32_t* bt = p.block_tables + b * p.bt_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t blk = bt[t / bs], off = t % bs;
-    const T* krow = kbase + blk * p.k_bstride + off * D;
-    const T* vrow = vbase + blk * p.v_bstride + off * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[d]);
-      s *= p.scale;
-      const float m_new = std::max(m[g], s);
-      const float alpha = std::exp(m[g] - m_new);
-      const float pe = std::exp(s - m_new);
-      l[g] = l[g] * alpha + pe;
-      m[g] = m_new;
-      float* ag = acc + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * alpha + pe * to_float(vrow[d]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * p.o_hstride + d] = from_float<T>(acc[g * D + d] * inv);
-  }
-}
-
-#ifdef BATON_AVX512
-// ---------------------------------------------------------------------------------------------
-// AVX-512 path.
-
-// Walks the (pair, block) sequence of a thread's range, kPrefetchBlocks ahead of the computation.
-struct PrefetchCursor {
-  const Params* p = nullptr;
-  int64_t pair = 0, end = 0, block = 0, elem_size = 0;
-  const char* k = nullptr;  // the block being prefetched
-  const char* v = nullptr;
-  int64_t rows = 0;         // rows of it that hold tokens (0: nothing left)
-
-  void init(const Params& params, int64_t begin_pair, int64_t end_pair, int64_t esize) {
-    p = &params;
-    pair = begin_pair;
-    end = end_pair;
-    block = -1;
-    elem_size = esize;
-    advance();
-  }
-  // Move to the next (pair, block) with tokens.
-  void advance() {
-    ++block;
-    while (pair < end) {
-      const int64_t b = pair / p->KV, kh = pair % p->KV;
-      const int64_t len = p->lens[b];
-      if (block * p->bs < len) {
-        const int64_t id = p->block_tables[b * p->bt_stride + block];
-        const int64_t head = kh * p->head_stride;
-        k = static_cast<const char*>(p->k) + (id * p->k_bstride + head) * elem_size;
-        v = static_cast<const char*>(p->v) + (id * p->v_bstride + head) * elem_size;
-        rows = std::min(p->bs, len - block * p->bs);
-        return;
-      }
-      ++pair;
-      block = 0;
-    }
-    k = v = nullptr;
-    rows = 0;
-  }
-};
-
-template <typename T, int G, int D>
-void attend_pair_avx512(const Params& p, int64_t b, int64_t kh, PrefetchCursor& pf) {
-  using R = Row<T, D>;
-  constexpr int NV = D / 16;
-  const int64_t bs = p.bs;
-  const int64_t len = p.lens[b];
-  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
-  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
-
-  Dot<T, G, D> dot;
-  dot.init(q, p.q_hstride);
-  __m512 acc[G][NV];
-  __m512 m[G], l[G];  // running max (all lanes equal) and lane-wise partial softmax sums
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
-    m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    l[g] = _mm512_setzero_ps();
-  }
-  alignas(64) float prob[G][16];
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-
-  const int32_t* bt = p.block_tables + b * p.bt_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
-  const int64_t n_blocks = (len + bs - 1) / bs;
-  constexpr int64_t kRowBytes = D * sizeof(T);
-  for (int64_t j = 0; j < n_blocks; ++j) {
-    const T* kb = kbase + bt[j] * p.k_bstride;
-    const T* vb = vbase + bt[j] * p.v_bstride;
-    const int64_t blen = std::min(bs, len - j * bs);
-    const char* pk = pf.k;  // locals: GCC drops prefetches of addresses it reloads from *this
-    const char* pv = pf.v;
-    const int64_t p_rows = pf.rows;
-    for (int64_t t0 = 0; t0 < blen; t0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
-      const T* kr = kb + t0 * D;
-      const T* vr = vb + t0 * D;
-      __m512 s[G];
-      if (n == 16) {
-        scores16<T, G, D, true>(dot, kr, n, s);
-      } else {
-        scores16<T, G, D, false>(dot, kr, n, s);
-      }
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-      for (int g = 0; g < G; ++g) {
-        const __m512 sg = _mm512_mask_mul_ps(neg_inf, valid, s[g], scale);
-        const __m512 m_new = _mm512_max_ps(m[g], bcast_max(sg));  // all lanes equal
-        if (_mm512_cmp_ps_mask(m_new, m[g], _CMP_GT_OQ)) {  // running max grew: rescale
-          const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));  // 0 on the first chunk
-          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
-          l[g] = _mm512_mul_ps(l[g], alpha);
-          m[g] = m_new;
-        }
-        const __m512 pg = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sg, m[g])));
-        _mm512_store_ps(prob[g], pg);
-        l[g] = _mm512_add_ps(l[g], pg);  // lane-wise partial sums, reduced at the end
-      }
-      for (int t = 0; t < n; ++t) {
-        if (t0 + t < p_rows) prefetch_row<kRowBytes>(pk, pv, t0 + t);
-        __m512 v[NV];
-        R::load(vr + t * D, v);
-#pragma GCC unroll 8
-        for (int g = 0; g < G; ++g) {
-          const __m512 pb = _mm512_set1_ps(prob[g][t]);
-#pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pb, v[c], acc[g][c]);
-        }
-      }
-    }
-    for (int64_t r = blen; r < p_rows; ++r) prefetch_row<kRowBytes>(pk, pv, r);  // short block
-    pf.advance();
-  }
-
-  alignas(64) float tmp[16 * NV];
-  for (int g = 0; g < G; ++g) {
-    const float lsum = _mm512_reduce_add_ps(l[g]);
-    const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g][c], inv));
-    T* og = out + g * p.o_hstride;
-    for (int c = 0; c < NV; ++c)
-      for (int i = 0; i < 16; ++i) og[R::dim(c, i)] = from_float<T>(tmp[16 * c + i]);
-  }
-}
-
-template <typename T>
-using PairFn = void (*)(const Params&, int64_t, int64_t, PrefetchCursor&);
-
-template <typename T>
-PairFn<T> pick_avx512(int64_t G, int64_t D) {
-#define BATON_CASE(GG, DD) \
-  if (G == GG && D == DD) return &attend_pair_avx512<T, GG, DD>;
-  BATON_CASE(1, 64) BATON_CASE(2, 64) BATON_CASE(3, 64) BATON_CASE(4, 64)
-  BATON_CASE(1, 128) BATON_CASE(2, 128) BATON_CASE(3, 128) BATON_CASE(4, 128)
-#undef BATON_CASE
-  return nullptr;
-}
-#endif  // BATON_AVX512
 
 // Split the (b, kv_head) pairs into `parts` contiguous ranges of about equal token work.
 std::vector<int64_t> balanced_split(const Params& p, int64_t B, int64_t parts) {
@@ -268,30 +76,7 @@ std::vector<int64_t> balanced_split(const Params& p, int64_t B, int64_t parts) {
 template <typename T>
 void run(const Params& p, int64_t B) {
   const int64_t n_pairs = B * p.KV;
-#ifdef BATON_AVX512
-  PairFn<T> fast = pick_avx512<T>(p.G, p.D);
-#endif
-  auto do_range = [&](int64_t lo, int64_t hi) {
-#ifdef BATON_AVX512
-    if (fast != nullptr) {
-      PrefetchCursor pf;
-      pf.init(p, lo, hi, sizeof(T));
-      for (int k = 0; k < kPrefetchBlocks; ++k) {  // nothing to overlap these with
-        for (int64_t r = 0; r < pf.rows; ++r) {
-          for (int64_t o = 0; o < p.D * static_cast<int64_t>(sizeof(T)); o += 64) {
-            _mm_prefetch(pf.k + r * p.D * sizeof(T) + o, BATON_PREFETCH_HINT);
-            _mm_prefetch(pf.v + r * p.D * sizeof(T) + o, BATON_PREFETCH_HINT);
-          }
-        }
-        pf.advance();
-      }
-      for (int64_t i = lo; i < hi; ++i) fast(p, i / p.KV, i % p.KV, pf);
-      return;
-    }
-#endif
-    std::vector<float> scratch;
-    for (int64_t i = lo; i < hi; ++i) attend_pair_generic<T>(p, i / p.KV, i % p.KV, scratch);
-  };
+  auto do_range = [&](int64_t lo, int64_t hi) { decode_range<T, false>(p, lo, hi); };
   int64_t total_rows = 0;
   for (int64_t b = 0; b < B; ++b) total_rows += p.lens[b];
   total_rows *= p.KV;

@@ -1,0 +1,296 @@
+// The decode loop: one query token of each (sequence, kv head) pair against that sequence's paged
+// K/V, with the G = H / KV query heads of the pair sharing every K and V row read. Written once for
+// the two kernels that run it:
+//   paged_attention.cpp (FROM_STATE = false): from an empty online-softmax state, from block 0;
+//   cascade.cpp's suffix pass (FROM_STATE = true): from the state the shared pass left for each
+//     (row, head) (running max = its log-sum-exp, sum = 1, accumulator = its normalized output),
+//     from the row's first unshared block. Continuing the online softmax from a partial result is
+//     the log-sum-exp merge (FlashInfer's merge_state) done in registers.
+//
+// Params (either kernel's) provides q, out, k, v, q_bstride, q_hstride, o_bstride, o_hstride,
+// k_bstride, v_bstride, head_stride, H, KV, G, D, bs, block_tables, bt_stride, lens and scale; with
+// FROM_STATE also start_block ([B] first block of each row), state_o ([B, H, D] fp32) and
+// state_lse ([B, H]; -inf: no state, start empty). The FROM_STATE branches are `if constexpr`, so
+// paged decode compiles to the loop it had before this was shared.
+//
+// Streaming softmax in fp32, chunk by chunk (16 tokens, never crossing a block). The AVX-512 loop
+// computes 16 token scores per head with a transposing reduction tree, one exp per 16 tokens, and
+// converts bf16 to fp32 in registers (so V accumulates in the order of Row<T, D>::dim, undone when
+// the output is written), and software-prefetches K/V rows kPrefetchBlocks blocks ahead along a
+// thread's range of pairs, since random block placement defeats the hardware prefetchers. The
+// portable loop (any G and D) takes one token at a time.
+//
+// In an anonymous namespace, as attention_common.h: each kernel's translation unit gets its own
+// instantiations (cpu_ops hashes this header into the build's name).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "attention_common.h"
+
+namespace {
+
+// First block of pair (b, *)'s loop.
+template <bool FROM_STATE, typename Params>
+inline int64_t decode_first_block(const Params& p, int64_t b) {
+  if constexpr (FROM_STATE) {
+    return p.start_block[b];
+  } else {
+    return 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable loop: any G and D, one token at a time.
+template <typename T, bool FROM_STATE, typename Params>
+void decode_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<float>& scratch) {
+  const int64_t G = p.G, D = p.D, bs = p.bs;
+  const int64_t len = p.lens[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
+  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
+  scratch.assign(static_cast<size_t>(2 * G * D + 2 * G), 0.f);
+  float* qf = scratch.data();
+  float* acc = qf + G * D;
+  float* m = acc + G * D;
+  float* l = m + G;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * p.q_hstride + d]);
+    if constexpr (FROM_STATE) {
+      const int64_t h = kh * G + g;
+      const float lse = p.state_lse[b * p.H + h];
+      m[g] = lse;
+      if (lse > -std::numeric_limits<float>::infinity()) {  // max lse, sum 1, acc its output
+        l[g] = 1.f;
+        const float* o = p.state_o + (b * p.H + h) * D;
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] = o[d];
+      }
+    } else {
+      m[g] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  const int32_t* bt = p.block_tables + b * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
+  for (int64_t t = decode_first_block<FROM_STATE>(p, b) * bs; t < len; ++t) {
+    const int64_t blk = bt[t / bs], off = t % bs;
+    const T* krow = kbase + blk * p.k_bstride + off * D;
+    const T* vrow = vbase + blk * p.v_bstride + off * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[d]);
+      s *= p.scale;
+      const float m_new = std::max(m[g], s);
+      const float alpha = std::exp(m[g] - m_new);
+      const float pe = std::exp(s - m_new);
+      l[g] = l[g] * alpha + pe;
+      m[g] = m_new;
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * alpha + pe * to_float(vrow[d]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * p.o_hstride + d] = from_float<T>(acc[g * D + d] * inv);
+  }
+}
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512 loop.
+
+// Walks the (pair, block) sequence of a thread's range, from each pair's first block,
+// kPrefetchBlocks ahead of the computation.
+template <typename Params, bool FROM_STATE>
+struct DecodePrefetch {
+  const Params* p = nullptr;
+  int64_t pair = 0, end = 0, block = 0, elem_size = 0;
+  const char* k = nullptr;  // the block being prefetched
+  const char* v = nullptr;
+  int64_t rows = 0;         // rows of it that hold tokens (0: nothing left)
+
+  // Start at begin_pair and prefetch the first kPrefetchBlocks blocks (nothing to overlap with).
+  void start(const Params& params, int64_t begin_pair, int64_t end_pair, int64_t esize) {
+    p = &params;
+    pair = begin_pair;
+    end = end_pair;
+    block = begin_pair < end_pair ? decode_first_block<FROM_STATE>(*p, begin_pair / p->KV) - 1 : -1;
+    elem_size = esize;
+    advance();
+    const int64_t row_bytes = p->D * esize;
+    for (int i = 0; i < kPrefetchBlocks; ++i) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < row_bytes; o += 64) {
+          _mm_prefetch(k + r * row_bytes + o, BATON_PREFETCH_HINT);
+          _mm_prefetch(v + r * row_bytes + o, BATON_PREFETCH_HINT);
+        }
+      advance();
+    }
+  }
+  // Move to the next (pair, block) with tokens.
+  void advance() {
+    ++block;
+    while (pair < end) {
+      const int64_t b = pair / p->KV, kh = pair % p->KV;
+      const int64_t len = p->lens[b];
+      if (block * p->bs < len) {
+        const int64_t id = p->block_tables[b * p->bt_stride + block];
+        const int64_t head = kh * p->head_stride;
+        k = static_cast<const char*>(p->k) + (id * p->k_bstride + head) * elem_size;
+        v = static_cast<const char*>(p->v) + (id * p->v_bstride + head) * elem_size;
+        rows = std::min(p->bs, len - block * p->bs);
+        return;
+      }
+      ++pair;
+      block = pair < end ? decode_first_block<FROM_STATE>(*p, pair / p->KV) : 0;
+    }
+    k = v = nullptr;
+    rows = 0;
+  }
+};
+
+template <typename T, int G, int D, bool FROM_STATE, typename Params>
+void decode_pair_avx512(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Params, FROM_STATE>& pf) {
+  using R = Row<T, D>;
+  constexpr int NV = D / 16;
+  const int64_t bs = p.bs;
+  const int64_t len = p.lens[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
+  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
+
+  Dot<T, G, D> dot;
+  dot.init(q, p.q_hstride);
+  __m512 acc[G][NV];
+  __m512 m[G], l[G];  // running max (all lanes equal) and lane-wise partial softmax sums
+  alignas(64) float tmp[16 * NV];  // a state row (FROM_STATE) and the output, in memory order
+  for (int g = 0; g < G; ++g) {
+    if constexpr (FROM_STATE) {
+      const int64_t h = kh * G + g;
+      const float lse = p.state_lse[b * p.H + h];
+      m[g] = _mm512_set1_ps(lse);
+      if (lse > -std::numeric_limits<float>::infinity()) {  // max lse, sum 1, acc its output
+        const float* o = p.state_o + (b * p.H + h) * D;
+        for (int c = 0; c < NV; ++c)
+          for (int i = 0; i < 16; ++i) tmp[16 * c + i] = o[R::dim(c, i)];
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_load_ps(tmp + 16 * c);
+        l[g] = _mm512_maskz_mov_ps(1, _mm512_set1_ps(1.f));
+      } else {
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+        l[g] = _mm512_setzero_ps();
+      }
+    } else {
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+      m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      l[g] = _mm512_setzero_ps();
+    }
+  }
+  alignas(64) float prob[G][16];
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+
+  const int32_t* bt = p.block_tables + b * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
+  const int64_t n_blocks = (len + bs - 1) / bs;
+  constexpr int64_t kRowBytes = D * sizeof(T);
+  for (int64_t j = decode_first_block<FROM_STATE>(p, b); j < n_blocks; ++j) {
+    const T* kb = kbase + bt[j] * p.k_bstride;
+    const T* vb = vbase + bt[j] * p.v_bstride;
+    const int64_t blen = std::min(bs, len - j * bs);
+    const char* pk = pf.k;  // locals: GCC drops prefetches of addresses it reloads from *this
+    const char* pv = pf.v;
+    const int64_t p_rows = pf.rows;
+    for (int64_t t0 = 0; t0 < blen; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
+      const T* kr = kb + t0 * D;
+      const T* vr = vb + t0 * D;
+      __m512 s[G];
+      if (n == 16) {
+        scores16<T, G, D, true>(dot, kr, n, s);
+      } else {
+        scores16<T, G, D, false>(dot, kr, n, s);
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+      for (int g = 0; g < G; ++g) {
+        const __m512 sg = _mm512_mask_mul_ps(neg_inf, valid, s[g], scale);
+        const __m512 m_new = _mm512_max_ps(m[g], bcast_max(sg));  // all lanes equal
+        if (_mm512_cmp_ps_mask(m_new, m[g], _CMP_GT_OQ)) {  // running max grew: rescale
+          const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));  // 0 on an empty state
+          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
+          l[g] = _mm512_mul_ps(l[g], alpha);
+          m[g] = m_new;
+        }
+        const __m512 pg = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sg, m[g])));
+        _mm512_store_ps(prob[g], pg);
+        l[g] = _mm512_add_ps(l[g], pg);  // lane-wise partial sums, reduced at the end
+      }
+      for (int t = 0; t < n; ++t) {
+        if (t0 + t < p_rows) prefetch_row<kRowBytes>(pk, pv, t0 + t);
+        __m512 v[NV];
+        R::load(vr + t * D, v);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const __m512 pb = _mm512_set1_ps(prob[g][t]);
+#pragma GCC unroll 8
+          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pb, v[c], acc[g][c]);
+        }
+      }
+    }
+    for (int64_t r = blen; r < p_rows; ++r) prefetch_row<kRowBytes>(pk, pv, r);  // short block
+    pf.advance();
+  }
+
+  for (int g = 0; g < G; ++g) {
+    const float lsum = _mm512_reduce_add_ps(l[g]);
+    const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    T* og = out + g * p.o_hstride;
+    for (int c = 0; c < NV; ++c)
+      for (int i = 0; i < 16; ++i) og[R::dim(c, i)] = from_float<T>(tmp[16 * c + i]);
+  }
+}
+
+template <typename T, typename Params, bool FROM_STATE>
+using DecodePairFn = void (*)(const Params&, int64_t, int64_t, DecodePrefetch<Params, FROM_STATE>&);
+
+// The AVX-512 loop for G query heads per kv head and head dim D, or nullptr (the portable loop).
+template <typename T, typename Params, bool FROM_STATE>
+DecodePairFn<T, Params, FROM_STATE> pick_decode_avx512(int64_t G, int64_t D) {
+#define BATON_CASE(GG, DD) \
+  if (G == GG && D == DD) return &decode_pair_avx512<T, GG, DD, FROM_STATE, Params>;
+  BATON_CASE(1, 64) BATON_CASE(2, 64) BATON_CASE(3, 64) BATON_CASE(4, 64)
+  BATON_CASE(1, 128) BATON_CASE(2, 128) BATON_CASE(3, 128) BATON_CASE(4, 128)
+#undef BATON_CASE
+  return nullptr;
+}
+#endif  // __AVX512F__
+
+// Every pair of [lo, hi) (pair i = (sequence i / KV, kv head i % KV)) on one thread: the AVX-512
+// loop where it has one for this G and D, else the portable one.
+template <typename T, bool FROM_STATE, typename Params>
+void decode_range(const Params& p, int64_t lo, int64_t hi) {
+#if defined(__AVX512F__)
+  const DecodePairFn<T, Params, FROM_STATE> fast = pick_decode_avx512<T, Params, FROM_STATE>(p.G, p.D);
+  if (fast != nullptr) {
+    DecodePrefetch<Params, FROM_STATE> pf;
+    pf.start(p, lo, hi, sizeof(T));
+    for (int64_t i = lo; i < hi; ++i) fast(p, i / p.KV, i % p.KV, pf);
+    return;
+  }
+#endif
+  std::vector<float> scratch;
+  for (int64_t i = lo; i < hi; ++i) decode_pair_generic<T, FROM_STATE>(p, i / p.KV, i % p.KV, scratch);
+}
+
+}  // namespace
