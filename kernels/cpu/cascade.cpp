@@ -13,19 +13,20 @@
 //  1. Shared pass, per (group, kv head, tile of query rows): the rows are (member, query head)
 //     pairs, all against the same shared keys, so this is a GEMM-shaped problem (S = Q K^T,
 //     streaming softmax, O = P V) on K/V packed once per (group, kv head) into a thread-local
-//     buffer -- the paged prefill kernel's inner loop (paged_prefill.cpp) without a causal mask.
-//     It writes each (row, head)'s normalized partial output and log-sum-exp (fp32 scratch).
+//     buffer -- the paged prefill kernel's loop (prefill_loop.h, which paged_prefill.cpp runs
+//     causal) without a causal mask, writing each (row, head)'s normalized partial output and
+//     log-sum-exp (fp32 scratch).
 //  2. Suffix pass, per (row, kv head): the paged decode kernel's loop (decode_loop.h, which
 //     paged_attention.cpp runs from an empty state) over the row's own blocks only (from
 //     group_blocks on), started from the shared pass's state (running max = lse, sum = 1,
 //     accumulator = partial output): continuing the online softmax from a partial result is the
 //     log-sum-exp merge (FlashInfer's merge_state) done in registers.
 // Rows in no group run pass 2 alone over their whole context, as the plain kernel does.
-// Both kernels' AVX-512 helpers (row loaders, dot products, exp polynomials, chunk packing) come
-// from attention_common.h; the shared pass's loop is an adaptation of the prefill kernel's (no
-// mask, an LSE out). cascade_shared.h holds the parameters and the AVX-512 shared pass,
-// cascade_amx.h the shared pass on AMX tiles; this file the portable shared pass (no AVX-512, or
-// other D: a scalar loop), the scheduling and the entry point.
+// The AVX-512 helpers (row loaders, dot products, exp polynomials, chunk packing) come from
+// attention_common.h, both loops (and their portable versions) from decode_loop.h and
+// prefill_loop.h, written once for this kernel and the plain ones. cascade_shared.h holds the
+// parameters and the AVX-512 shared pass's items, cascade_amx.h the shared pass on AMX tiles; this
+// file the portable shared pass (no AVX-512, or other D), the scheduling and the entry point.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +45,7 @@
 #include "cascade_amx.h"
 #include "cascade_shared.h"
 #include "decode_loop.h"
+#include "prefill_loop.h"
 
 namespace {
 
@@ -64,26 +66,9 @@ void shared_generic(const CascadeParams& p, const SharedItem& it, std::vector<fl
   for (int64_t i = it.r0; i < it.r1; ++i) {
     const int64_t b = item_row(p, it, i), h = it.kh * p.G + i % p.G;
     const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + h * p.q_hstride;
-    for (int64_t d = 0; d < D; ++d) {
-      qf[d] = to_float(q[d]);
-      acc[d] = 0.f;
-    }
-    float m = kNegInf, l = 0.f;
-    for (int64_t t = 0; t < n_keys; ++t) {
-      const T* krow = kbase + bt[t / bs] * p.k_bstride + (t % bs) * D;
-      const T* vrow = vbase + bt[t / bs] * p.v_bstride + (t % bs) * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
-      s *= p.scale;
-      const float m_new = std::max(m, s);
-      const float alpha = std::exp(m - m_new);
-      const float pe = std::exp(s - m_new);
-      l = l * alpha + pe;
-      m = m_new;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + pe * to_float(vrow[d]);
-    }
+    for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
+    float m, l;
+    prefill_row_generic<T>(p, bt, kbase, vbase, qf, n_keys, acc, m, l);
     float* o = p.state_o + (b * p.H + h) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / l;
     p.state_lse[b * p.H + h] = m + std::log(l);

@@ -27,8 +27,8 @@ namespace {
 // B tile per 16 output dims), and the bf16 probabilities of a row, key pairs in dwords, are an
 // A tile's row. Tiles: 0-3 the output (16 x 64 fp32), 4 the scores and then the probabilities,
 // 5 and 7 the queries (dims 0-31, 32-63), 6 the K or V operand. The softmax runs on AVX-512
-// exactly as in Shared::rows (lazy base-2 reference point; the rare rescale moves the output
-// through memory).
+// exactly as in prefill_loop.h's PrefillLoop::rows (lazy base-2 reference point; the rare rescale
+// moves the output through memory).
 
 // Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
 bool amx_ready() {

@@ -19,25 +19,11 @@
 // current (sequence, kv head) into a thread-local buffer, 32 keys at a time and only as far as its
 // items need (consecutive items of one pair extend the same buffer), then computes the item's rows
 // (query position x group head: the G = H / KV heads of a group share every K/V row) in blocks of
-// R rows whose output (R x D fp32) stays in registers across the whole key range: per 32-key
-// chunk, S = Q K^T, streaming softmax, O = O * alpha + P V. Only the chunks that pass some row's
-// position are masked; chunks past the block's last position are never visited.
-//
-// Softmax: fp32, in base 2 on scores times scale * log2(e), with a lazily updated reference point
-// per row (its running max, moved only when a score exceeds it by more than 8, so probabilities
-// stay below 2^8 and the O / l rescale is rare after the first chunk). 2^x by a minimax polynomial
-// (relative error 1e-7; 3e-6 where the probabilities are then rounded to bf16).
-//
-// Layouts of the packed buffers (per 32-key chunk):
-//   bf16 with AVX512-BF16: K as two 16-key groups of [D/2][16] dwords (each dword a pair of
-//     dimensions of one key), so one vdpbf16ps of a broadcast q dword adds 2 dims of 16 scores;
-//     V as 16 key pairs of [D/16][16] dwords (dims 16c..16c+15 of keys 2u and 2u+1 interleaved),
-//     so one vdpbf16ps of a broadcast (p_2u, p_2u+1) pair adds 2 keys to 16 output dims. q.k
-//     products of bf16 values are exact in fp32; the probabilities are rounded to bf16 for P V
-//     (as torch's flash attention does for bf16), accumulation is fp32.
-//   fp32 / fp16 / bf16 without AVX512-BF16: K as two groups of [D][16] floats, V as [32][D]
-//     floats; plain fp32 FMAs.
-// The portable path (no AVX-512, or D other than 64 / 128) is a per-row scalar loop.
+// R rows through prefill_loop.h's loop, causal (cascade.cpp's shared pass runs the same loop
+// without the mask). That header describes the loop (S = Q K^T, streaming base-2 softmax with a
+// lazy reference point, O = O * alpha + P V per 32-key chunk, the output in registers), its
+// packed layouts and its portable fallback (no AVX-512, or D other than 64 / 128: a per-row scalar
+// loop).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -58,6 +44,7 @@
 #endif
 
 #include "attention_common.h"
+#include "prefill_loop.h"
 
 namespace {
 
@@ -89,7 +76,7 @@ struct Item {
 // Portable path: one query row at a time, one key at a time.
 template <typename T>
 void item_generic(const PrefillParams& p, const Item& it, std::vector<float>& scratch) {
-  const int64_t G = p.G, D = p.D, bs = p.bs;
+  const int64_t G = p.G, D = p.D;
   const int64_t ctx = p.lens[it.s];
   const int64_t start = ctx - (p.qsl[it.s + 1] - p.qsl[it.s]);
   const int32_t* bt = p.block_tables + it.s * p.bt_stride;
@@ -104,27 +91,9 @@ void item_generic(const PrefillParams& p, const Item& it, std::vector<float>& sc
       const int64_t h = it.kh * G + g;
       const T* q = static_cast<const T*>(p.q) + row * p.q_rstride + h * p.q_hstride;
       T* out = static_cast<T*>(p.out) + row * p.o_rstride + h * p.o_hstride;
-      for (int64_t d = 0; d < D; ++d) {
-        qf[d] = to_float(q[d]);
-        acc[d] = 0.f;
-      }
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-      for (int64_t t = 0; t <= pos; ++t) {
-        const int64_t blk = bt[t / bs], off = t % bs;
-        const T* krow = kbase + blk * p.k_bstride + off * D;
-        const T* vrow = vbase + blk * p.v_bstride + off * D;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(krow[d]);
-        s *= p.scale;
-        const float m_new = std::max(m, s);
-        const float alpha = std::exp(m - m_new);
-        const float pe = std::exp(s - m_new);
-        l = l * alpha + pe;
-        m = m_new;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + pe * to_float(vrow[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
+      float m, l;
+      prefill_row_generic<T>(p, bt, kbase, vbase, qf, pos + 1, acc, m, l);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(acc[d] * inv);
     }
@@ -143,215 +112,14 @@ struct PackState {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path.
 
-// QKBF: q.k with vdpbf16ps (T must be bf16); PVBF: P V with vdpbf16ps.
+// An item: pack the pair's K/V as far as the item needs, then its rows R at a time through
+// prefill_loop.h's loop (causal, out in T).
 template <typename T, int D, bool QKBF, bool PVBF>
 struct Prefill {
-  static_assert(D % 32 == 0, "D must be a multiple of 32");
-  static constexpr int NV = D / 16;           // fp32 vectors per row
-  static constexpr int R = D <= 64 ? 4 : 2;   // query rows per register block
-  static constexpr int NA = 2 * R >= 8 ? 1 : 2;  // partial sums per score vector (latency)
-  static constexpr int64_t kKChunkBytes = 32 * D * (QKBF ? 2 : 4);
-  static constexpr int64_t kVChunkBytes = 32 * D * (PVBF ? 2 : 4);
-  // Probabilities rounded to bf16 need far less than fp32 accuracy.
-  using Exp2 = Exp2Poly<PVBF ? 4 : 6>;
-
-  // R query rows (pos: their positions; rows past n_valid repeat the last one and are not
-  // stored) against the packed keys 0..max(pos).
-  static void rows(const PrefillParams& p, int n_valid, const int64_t* pos, const T* const* qrow,
-                   T* const* orow, const uint8_t* kbuf, const uint8_t* vbuf) {
-    // Query rows are broadcast straight from q (bf16 dwords for vdpbf16ps, or fp32); other dtypes
-    // are converted to fp32 first.
-    constexpr bool kQDirect = QKBF || std::is_same_v<T, float>;
-    [[maybe_unused]] alignas(64) float qconv[kQDirect ? 1 : R][D];
-    const float* qf[R];
-    for (int r = 0; r < R; ++r) {
-      if constexpr (!kQDirect) {
-        for (int d = 0; d < D; ++d) qconv[r][d] = to_float(qrow[r][d]);
-        qf[r] = qconv[r];
-      } else if constexpr (!QKBF) {
-        qf[r] = reinterpret_cast<const float*>(qrow[r]);
-      }
-    }
-    int64_t pmin = pos[0], pmax = pos[0];
-    for (int r = 1; r < R; ++r) {
-      pmin = std::min(pmin, pos[r]);
-      pmax = std::max(pmax, pos[r]);
-    }
-    const int64_t n_chunks = pmax / 32 + 1;
-    const int64_t n_full = (pmin + 1) / 32;  // chunks no row needs masked
-
-    // Softmax in base 2 on scores scaled by scale * log2(e). The reference point m of a row is
-    // its running max, updated lazily: only when a score exceeds it by more than kSlack (so the
-    // probabilities stay below 2^kSlack), which after the first chunk is rare.
-    constexpr float kSlack = 8.f;
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m512 slack = _mm512_set1_ps(kSlack);
-    const __m512 cscale = _mm512_set1_ps(p.scale * 1.44269504088896341f);
-    __m512 acc[R][NV];
-    __m512 m[R], m_hi[R], l[R];  // m and m + kSlack: all lanes equal; l: lane-wise partial sums
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-      m[r] = m_hi[r] = neg_inf;
-      l[r] = _mm512_setzero_ps();
-    }
-    [[maybe_unused]] alignas(64) uint32_t pbf[PVBF ? R : 1][16];
-    [[maybe_unused]] alignas(64) float pf[PVBF ? 1 : R][32];
-
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      // ---- scores of the chunk's 32 keys: s[r][h] holds keys 32c + 16h + lane
-      __m512 s[R][2];
-      {
-        __m512 sa[NA][R][2];
-        for (int a = 0; a < NA; ++a)
-          for (int r = 0; r < R; ++r) sa[a][r][0] = sa[a][r][1] = _mm512_setzero_ps();
-        if constexpr (QKBF) {
-#if defined(__AVX512BF16__)
-          const uint32_t* kc = reinterpret_cast<const uint32_t*>(kbuf + c * kKChunkBytes);
-#pragma GCC unroll 4
-          for (int j = 0; j < D / 2; j += NA) {
-#pragma GCC unroll 2
-            for (int a = 0; a < NA; ++a) {
-              const __m512bh k0 = (__m512bh)_mm512_load_si512(kc + (j + a) * 16);
-              const __m512bh k1 = (__m512bh)_mm512_load_si512(kc + (D / 2 + j + a) * 16);
-#pragma GCC unroll 4
-              for (int r = 0; r < R; ++r) {
-                const __m512bh qb =
-                    (__m512bh)_mm512_set1_epi32(static_cast<int>(load_u32(qrow[r] + 2 * (j + a))));
-                sa[a][r][0] = _mm512_dpbf16_ps(sa[a][r][0], qb, k0);
-                sa[a][r][1] = _mm512_dpbf16_ps(sa[a][r][1], qb, k1);
-              }
-            }
-          }
-#endif
-        } else {
-          const float* kc = reinterpret_cast<const float*>(kbuf + c * kKChunkBytes);
-#pragma GCC unroll 4
-          for (int d = 0; d < D; d += NA) {
-#pragma GCC unroll 2
-            for (int a = 0; a < NA; ++a) {
-              const __m512 k0 = _mm512_load_ps(kc + (d + a) * 16);
-              const __m512 k1 = _mm512_load_ps(kc + (D + d + a) * 16);
-#pragma GCC unroll 4
-              for (int r = 0; r < R; ++r) {
-                const __m512 qb = _mm512_set1_ps(qf[r][d + a]);
-                sa[a][r][0] = _mm512_fmadd_ps(qb, k0, sa[a][r][0]);
-                sa[a][r][1] = _mm512_fmadd_ps(qb, k1, sa[a][r][1]);
-              }
-            }
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          s[r][0] = sa[0][r][0];
-          s[r][1] = sa[0][r][1];
-          for (int a = 1; a < NA; ++a) {
-            s[r][0] = _mm512_add_ps(s[r][0], sa[a][r][0]);
-            s[r][1] = _mm512_add_ps(s[r][1], sa[a][r][1]);
-          }
-        }
-      }
-
-      // ---- streaming softmax
-      const bool masked = c >= n_full;
-      for (int r = 0; r < R; ++r) {
-        __m512 s0 = _mm512_mul_ps(s[r][0], cscale);
-        __m512 s1 = _mm512_mul_ps(s[r][1], cscale);
-        __mmask16 k0 = 0xFFFF, k1 = 0xFFFF;
-        if (masked) {
-          const int64_t n = pos[r] - 32 * c + 1;  // keys of the chunk row r sees
-          k0 = prefix_mask(n);
-          k1 = prefix_mask(n - 16);
-          s0 = _mm512_mask_mov_ps(neg_inf, k0, s0);
-          s1 = _mm512_mask_mov_ps(neg_inf, k1, s1);
-        }
-        if (_mm512_cmp_ps_mask(s0, m_hi[r], _CMP_GT_OQ) |
-            _mm512_cmp_ps_mask(s1, m_hi[r], _CMP_GT_OQ)) {  // new reference point
-          const __m512 m_new = bcast_max(_mm512_max_ps(s0, s1));
-          if (!_mm512_cmp_ps_mask(m[r], neg_inf, _CMP_EQ_OQ)) {  // not the first chunk: rescale
-            const __m512 alpha = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(m[r], m_new));
-            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], alpha);
-            l[r] = _mm512_mul_ps(l[r], alpha);
-          }
-          m[r] = m_new;
-          m_hi[r] = _mm512_add_ps(m_new, slack);
-        }
-        __m512 p0, p1;
-        if (masked) {
-          p0 = Exp2::template eval<true>(k0, _mm512_sub_ps(s0, m[r]));
-          p1 = Exp2::template eval<true>(k1, _mm512_sub_ps(s1, m[r]));
-        } else {
-          p0 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s0, m[r]));
-          p1 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s1, m[r]));
-        }
-        l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
-        if constexpr (PVBF) {
-#if defined(__AVX512BF16__)
-          _mm512_store_si512(pbf[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-#endif
-        } else {
-          _mm512_store_ps(pf[r], p0);
-          _mm512_store_ps(pf[r] + 16, p1);
-        }
-      }
-
-      // ---- acc += P V over the keys some row sees
-      const int64_t n_keys = std::min<int64_t>(32, pmax - 32 * c + 1);
-      if constexpr (PVBF) {
-#if defined(__AVX512BF16__)
-        const __m512i* vc = reinterpret_cast<const __m512i*>(vbuf + c * kVChunkBytes);
-        const int n_pairs = static_cast<int>((n_keys + 1) / 2);
-        for (int u = 0; u < n_pairs; ++u) {
-          __m512bh vv[NV];
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_load_si512(vc + u * NV + v);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbf[r][u]));
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, vv[v]);
-          }
-        }
-#endif
-      } else {
-        const float* vc = reinterpret_cast<const float*>(vbuf + c * kVChunkBytes);
-        for (int t = 0; t < n_keys; ++t) {
-          __m512 vv[NV];
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) vv[v] = _mm512_load_ps(vc + t * D + 16 * v);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m512 pb = _mm512_set1_ps(pf[r][t]);
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
-          }
-        }
-      }
-    }
-
-    alignas(64) float tmp[D];
-    for (int r = 0; r < n_valid; ++r) {
-      const float lsum = _mm512_reduce_add_ps(l[r]);
-      const __m512 inv = _mm512_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
-      T* o = orow[r];
-      if constexpr (std::is_same_v<T, float>) {
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(acc[r][v], inv));
-      } else if constexpr (std::is_same_v<T, c10::Half>) {
-        for (int v = 0; v < NV; ++v)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * v),
-                              _mm512_cvtps_ph(_mm512_mul_ps(acc[r][v], inv),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#if defined(__AVX512BF16__)
-      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // round to nearest even
-        for (int v = 0; v < NV; v += 2)
-          _mm512_storeu_si512(o + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(
-                                              _mm512_mul_ps(acc[r][v + 1], inv),
-                                              _mm512_mul_ps(acc[r][v], inv)));
-#endif
-      } else {
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(tmp + 16 * v, _mm512_mul_ps(acc[r][v], inv));
-        for (int d = 0; d < D; ++d) o[d] = from_float<T>(tmp[d]);
-      }
-    }
-  }
+  using Loop = PrefillLoop<T, D, QKBF, PVBF>;
+  static constexpr int R = Loop::R;
+  static constexpr int64_t kKChunkBytes = Loop::kKChunkBytes;
+  static constexpr int64_t kVChunkBytes = Loop::kVChunkBytes;
 
   static void item(const PrefillParams& p, const Item& it, PackState& ps) {
     const int64_t ctx = p.lens[it.s];
@@ -411,7 +179,8 @@ struct Prefill {
         qrow[r] = q + row * p.q_rstride + h * p.q_hstride;
         orow[r] = out + row * p.o_rstride + h * p.o_hstride;
       }
-      rows(p, static_cast<int>(std::min<int64_t>(R, n_rows - r0)), pos, qrow, orow, kb, vb);
+      Loop::template rows<true, false>(p, static_cast<int>(std::min<int64_t>(R, n_rows - r0)), pos,
+                                       qrow, orow, kb, vb);
     }
   }
 };
