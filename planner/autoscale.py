@@ -66,6 +66,12 @@ class AutoscaleConfig:
     """Intervals the lower count must have been enough before a scale-down."""
     cooldown_s: float = 60.0
     """No scale-down this soon after a pool's last change; no forecast-only reversal either."""
+    reversal_memory_s: float = 600.0
+    """A pool scaled up from N does not go back down to N for this long unless its demand fell by
+    ``reversal_margin`` since: at constant load the observed/expected correction measured at N+1
+    says N is enough and the one measured at N says it is not (emulated workers on 2 cores went
+    3 -> 4 -> 3 six times in 10 minutes), so only a change of load may undo a scale-up."""
+    reversal_margin: float = 0.2
     drain_s: float = 10.0
     """The backlog is sized to drain within ``max(TTFT SLO, drain_s)``."""
     attainment: float = 0.9
@@ -170,6 +176,8 @@ class _PoolState:
     last_direction: int = 0
     ready: int = 0
     ready_rose_s: float = -math.inf
+    raised_from: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Count -> (when, demand) of the latest scale-up from it (``reversal_memory_s``)."""
 
 
 class Autoscaler:
@@ -389,13 +397,17 @@ class Autoscaler:
         elif needed < current:
             # A replica that just became ready has not been seen at work yet: it counts as a change.
             settled = obs.t_s - max(st.last_change_s, st.ready_rose_s)
-            desired, why_not = self._scale_down(pool, current, demand, per_replica, settled, po.starting)
+            desired, why_not = self._scale_down(
+                pool, current, demand, per_replica, settled, po.starting, obs.t_s
+            )
             reasons.append(why_not)
         if not lo <= desired <= hi:
             desired = min(hi, max(lo, desired))
             reasons.append(f"bounds [{lo}, {hi}]")
         if desired != current:
             st.last_change_s, st.last_direction = obs.t_s, (1 if desired > current else -1)
+        if desired > current:
+            st.raised_from[current] = (obs.t_s, demand)
         return PoolDecision(pool, current, needed, desired, tuple(reasons))
 
     def _urgent(self, pool: str, obs: Observation, demand: float, per_replica: float, current: int) -> str:
@@ -415,8 +427,30 @@ class Autoscaler:
             return f"measured p90 TPOT {tpot:.0f} ms over the SLO"
         return ""
 
+    def _undoes_a_scale_up(self, st: _PoolState, target: int, demand: float, now: float) -> str:
+        """Why going down to ``target`` would undo a recent scale-up at the same load; ''."""
+        cfg = self.config
+        for count, (when, then) in st.raised_from.items():
+            if (
+                count >= target
+                and now - when < cfg.reversal_memory_s
+                and demand > then * (1 - cfg.reversal_margin)
+            ):
+                return (
+                    f"hold: scaled up from {count} {now - when:.0f} s ago at {then:.2f} req/s, "
+                    f"demand {demand:.2f} req/s has not fallen {cfg.reversal_margin:.0%} since"
+                )
+        return ""
+
     def _scale_down(
-        self, pool: str, current: int, demand: float, per_replica: float, since: float, starting: int
+        self,
+        pool: str,
+        current: int,
+        demand: float,
+        per_replica: float,
+        since: float,
+        starting: int,
+        now: float,
     ) -> tuple[int, str]:
         cfg, st = self.config, self.state[pool]
         if starting:
@@ -436,6 +470,8 @@ class Autoscaler:
         if floor >= current:
             util = demand / ((current - 1) * per_replica) if current > 1 else math.inf
             return current, f"hold: {current - 1} would run at {util:.0%} (headroom {cfg.headroom:.0%})"
+        if held := self._undoes_a_scale_up(st, floor, demand, now):
+            return current, held
         return (
             floor,
             f"down: lower for {cfg.stable_intervals} intervals, {demand / (floor * per_replica):.0%} busy",

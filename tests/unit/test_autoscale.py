@@ -64,7 +64,9 @@ def test_a_2x_step_is_acted_on_in_the_interval_that_shows_it():
 
 def _naive() -> AutoscaleConfig:
     """No hysteresis: a policy the oscillation test must catch."""
-    return AutoscaleConfig(stable_intervals=1, cooldown_s=0.0, headroom=0.8, noise_sigmas=0.0, holt_beta=0.5)
+    return AutoscaleConfig(
+        stable_intervals=1, cooldown_s=0.0, headroom=0.8, noise_sigmas=0.0, holt_beta=0.5, reversal_memory_s=0.0
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 4, 9])
@@ -156,6 +158,34 @@ def test_scale_down_waits_for_the_stable_window_and_the_cooldown():
         t += INTERVAL
         d = b.decide(_obs(t, 3.0, {"prefill": 1, "decode": 4}, starting={"decode": 1}))
         assert d.desired["decode"] == 5
+
+
+def test_a_scale_up_is_undone_only_by_a_fall_in_demand():
+    """Emulated workers on 2 cores went decode 3 -> 4 -> 3 six times in 10 minutes at a constant
+    5 req/s: the correction measured at 4 said 3 was enough, the one measured at 3 that it was not.
+    At 7 req/s, 3 replicas are enough here; a scale-up from 3 at that demand holds 4 until the
+    demand falls by ``reversal_margin`` (then it goes down at once), and only for
+    ``reversal_memory_s``."""
+
+    def run(raised_from: dict[int, tuple[float, float]]) -> list[tuple[float, int, str]]:
+        a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
+        a.state["decode"].raised_from.update(raised_from)
+        t, ready, seen = 0.0, {"prefill": 1, "decode": 4}, []
+        for rate in [7.0] * 20 + [4.0] * 12:
+            t += INTERVAL
+            d = a.decide(_obs(t, rate, ready))
+            ready = d.desired
+            seen.append((rate, ready["decode"], str(d.pools["decode"])))
+        return seen
+
+    fresh = run({})  # nothing to undo: down to 3 at 7 req/s
+    assert [n for rate, n, _ in fresh if rate == 7.0][-1] == 3
+    held = run({3: (0.0, 7.0)})
+    assert all(n == 4 for rate, n, _ in held if rate == 7.0)
+    assert "hold: scaled up from 3" in held[19][2]
+    assert held[-1][1] <= 3  # 4 req/s is a fall of more than 20%: the scale-up is undone
+    old = run({3: (-700.0, 7.0)})  # longer ago than reversal_memory_s (600 s)
+    assert [n for rate, n, _ in old if rate == 7.0][-1] == 3
 
 
 def test_bounds_hold_both_ways():
