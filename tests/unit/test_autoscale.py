@@ -65,7 +65,12 @@ def test_a_2x_step_is_acted_on_in_the_interval_that_shows_it():
 def _naive() -> AutoscaleConfig:
     """No hysteresis: a policy the oscillation test must catch."""
     return AutoscaleConfig(
-        stable_intervals=1, cooldown_s=0.0, headroom=0.8, noise_sigmas=0.0, holt_beta=0.5, reversal_memory_s=0.0
+        stable_intervals=1,
+        cooldown_s=0.0,
+        headroom=0.8,
+        noise_sigmas=0.0,
+        holt_beta=0.5,
+        reversal_memory_s=0.0,
     )
 
 
