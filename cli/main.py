@@ -17,7 +17,9 @@ baton up --plan plan.json | --layout 2p3d | --layout colocated:2   # a layout ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import sys
 
 from baton.bench import cli as bench_cli
@@ -55,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # A crash in native code (UCX, a kernel) prints every thread's Python stack to stderr first.
-    faulthandler.enable()
+    with contextlib.suppress(io.UnsupportedOperation):  # stderr without a descriptor (a test's capture)
+        faulthandler.enable()
     a = build_parser().parse_args(argv)
     if (code := _bad_gpu_memory_utilization(a)) is not None:
         return code
