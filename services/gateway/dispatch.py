@@ -317,6 +317,13 @@ class Dispatcher:
             elsewhere = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 attempts.refused = rpc_error(failure.error, params[0])  # type: ignore[arg-type]
+            if code == grpc.StatusCode.UNAVAILABLE:  # logged: the 503 that may follow does not say why
+                log.warning(
+                    "decode worker %s unavailable before the first token of %s: %s",
+                    address,
+                    request_id,
+                    failure.error.details() if isinstance(failure.error, grpc.aio.AioRpcError) else "",
+                )
             if elsewhere and len(attempts.tried) < MAX_ATTEMPTS - 1:
                 self._router.forget(address)
                 attempts.tried.append(address)
