@@ -6,20 +6,27 @@ Each interval (``decide``):
 
 1. **Forecast.** Holt's linear smoothing of the arrival rate (``forecast.py``), read ``cold_start_s +
    interval_s`` ahead: a worker asked for now is capacity only after its cold start, so it must fit
-   the load of then. The sizing rate is ``max(forecast, the rate just seen)``: a step up is acted on
-   in the interval that shows it, whatever the smoothing still believes. A scale-down is checked
-   against the rate seen undiscounted.
+   the load of then. The sizing rate is ``max(forecast, the rate just seen)``, the rate seen being
+   the higher of the interval's and, where the observation has it, its last half's, each less its
+   own Poisson noise allowance: a step up is acted on in the interval that shows it, whatever the
+   smoothing still believes, and a step late in the interval is not halved. A scale-down is checked
+   against the interval's rate undiscounted. Between decisions the service tests each half interval
+   for a surge (``surged``) and decides out of turn on one (``Observation.surge``).
 2. **Correct.** The profile's prefill and decode step costs are multiplied by smoothed, clamped
    ratios of measured p90 TTFT and TPOT to what the simulator predicts for the ready layout at the
-   observed rate. A sample is used only in steady state: enough requests, no replica starting or
-   within ``warmup_s`` of becoming ready (a cold worker's first requests are slow, and Dynamo's
-   planner over-scaled on them), and no backlog (queueing is the next step's business, not the
-   profile's; counting it twice made Dynamo blind in one place and would make this over-react).
-3. **Size.** Per pool, the closed-form count (``capacity.py``) for ``rate + backlog / drain``, at
+   observed rate, kept by the per-replica load they were measured at (``correction.py``: the
+   overhead of serving is more additive than multiplicative, so a ratio measured with few replicas
+   overstates it at many). A sample is used only in steady state: enough requests, no replica
+   starting or within ``warmup_s`` of becoming ready (a cold worker's first requests are slow, and
+   Dynamo's planner over-scaled on them), and no backlog (queueing is the next step's business, not
+   the profile's; counting it twice made Dynamo blind in one place and would make this over-react).
+3. **Size.** Per pool, the fewest replicas whose capacity (``capacity.py``), with the corrections at
+   the per-replica load of that count, carries ``rate + backlog / drain`` at
    ``target_utilisation``: the backlog (waiting requests; the prefill pool's queued prompt tokens)
    must drain within ``max(TTFT SLO, drain_s)`` on top of the arrivals. Then the simulator checks
-   the steady state at the sizing rate and adds a replica to the pool whose SLO it misses until the
-   layout meets ``attainment`` (TTFT missed: prefill; TPOT missed: decode).
+   the steady state at the sizing rate (corrected at the candidate layout's loads) and adds a
+   replica to the pool whose SLO it misses until the layout meets ``attainment`` (TTFT missed:
+   prefill; TPOT missed: decode).
 4. **Hysteresis.** Up at once (replicas starting count as current: they are not asked for twice).
    Down only when every count needed in the last ``stable_intervals`` was lower, nothing is
    starting, ``cooldown_s`` has passed since the pool's last change and since a replica of it
@@ -27,7 +34,8 @@ Each interval (``decide``):
    utilisation stays under ``headroom`` (below ``target_utilisation``: a dead band where neither way
    moves), at the highest demand of the last ``cooldown_s`` (one quiet interval in a noisy
    load is no surplus). Up within ``cooldown_s`` of a scale-down (a reversal) only when the backlog or a measured
-   p90 over its SLO demands it, not on the forecast alone. Then ``[min, max]`` per pool.
+   p90 over its SLO demands it, not on the forecast alone. A surge decision never scales down. Then
+   ``[min, max]`` per pool.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.planner.capacity import Capacity, capacity, scaled
+from baton.planner.correction import LoadCorrection
 from baton.planner.forecast import Ewma, Holt
 from baton.planner.layout import Layout
 from baton.planner.profile import Profile
@@ -81,8 +90,17 @@ class AutoscaleConfig:
     noise_sigmas: float = 1.0
     """The rate just seen counts, against the forecast, less this many Poisson standard deviations
     (``sqrt(arrivals) / interval``): a 2x step clears it at once, a noisy interval does not."""
+    surge_sigmas: float = 2.0
+    """A half interval is a surge when its rate, less this many Poisson standard deviations, is over
+    the rate the last decision sized for. Stricter than ``noise_sigmas``: it is tested twice as
+    often, on half the arrivals, and a surge decision sizes for more than the last one by
+    construction. Sized for a constant 5 req/s (25 arrivals in 5 s), 1 sigma fires on 1 half
+    interval in 7, 2 sigmas on 1 in 100; a 2x step (50 arrivals in 5 s) clears 2 sigmas 97 times in
+    100 (Poisson tails)."""
     correction_alpha: float = 0.3
-    """Weight of the newest observed/expected ratio."""
+    """Weight of the newest observed/expected ratio (in its load bucket)."""
+    correction_spacing: float = 1.25
+    """Per-replica loads within this factor of each other share a correction bucket."""
     correction_range: tuple[float, float] = (0.5, 4.0)
     correction_tolerance: float = 0.15
     """A ratio within ``1 +- this`` counts as 1: the simulator's own error at p90 (15%) is no
@@ -127,6 +145,27 @@ class Observation:
     p90_ttft_ms: float | None = None
     p90_tpot_ms: float | None = None
     interval_s: float = 10.0
+    recent_arrivals: int | None = None
+    """Requests that arrived in the last ``recent_s`` of the interval (its second half, where the
+    service scraped half-way): a step late in the interval shows in it undiluted."""
+    recent_s: float = 0.0
+    surge: bool = False
+    """Decided out of turn, on a surge (``surged``) since the last decision: it may scale up or
+    hold, never down (scale-downs wait for a whole interval)."""
+
+
+def seen_rate(arrivals: int, seconds: float, sigmas: float) -> float:
+    """Requests/s in ``seconds``, less ``sigmas`` Poisson standard deviations
+    (``sqrt(arrivals) / seconds``): what the arrivals show for sure; 0 for no time."""
+    if seconds <= 0:
+        return 0.0
+    return max(0.0, (arrivals - sigmas * math.sqrt(arrivals)) / seconds)
+
+
+def surged(arrivals: int, seconds: float, sized_for: float, sigmas: float) -> bool:
+    """Whether ``arrivals`` in the last ``seconds`` exceed the rate the last decision sized for by
+    more than the noise allowance: a load the next regular decision must not wait for."""
+    return seen_rate(arrivals, seconds, sigmas) > sized_for
 
 
 @dataclass(frozen=True)
@@ -153,9 +192,11 @@ class Decision:
     sizing_rate: float
     """Requests/s the pools were sized for."""
     correction: tuple[float, float]
-    """(prefill, decode) step-cost factors in use."""
+    """(prefill, decode) step-cost factors at the desired counts' per-replica loads."""
     notes: tuple[str, ...]
     pools: dict[str, PoolDecision]
+    correction_load: tuple[float, float] | None = None
+    """The per-replica loads (req/s) the factors were read at."""
 
     @property
     def desired(self) -> dict[str, int]:
@@ -163,6 +204,8 @@ class Decision:
 
     def __str__(self) -> str:
         k = f"correction prefill x{self.correction[0]:.2f} decode x{self.correction[1]:.2f}"
+        if self.correction_load is not None:
+            k += f" (at {self.correction_load[0]:.2f} and {self.correction_load[1]:.2f} req/s a replica)"
         head = f"t={self.t_s:.0f}s rate {self.rate:.2f} req/s, sized for {self.sizing_rate:.2f}; {k}"
         return "; ".join([head, *self.notes, *(str(p) for p in self.pools.values())])
 
@@ -189,7 +232,12 @@ class Autoscaler:
         self.pools = COLOCATED_POOLS if colocated else DISAGGREGATED_POOLS
         self.rate = Holt(cfg.holt_alpha, cfg.holt_beta)
         self.input_len, self.output_len = Ewma(0.5), Ewma(0.5)
-        self.k_prefill, self.k_decode = Ewma(cfg.correction_alpha), Ewma(cfg.correction_alpha)
+        self.k_prefill = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing)
+        self.k_decode = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing)
+        # The pools whose per-replica load indexes the prefill and the decode factor.
+        self.load_pools = ("colocated", "colocated") if colocated else ("prefill", "decode")
+        self.correction: tuple[float, float] = (1.0, 1.0)
+        """The (prefill, decode) factors of the last decision, at its desired counts."""
         window = max(cfg.stable_intervals, math.ceil(cfg.cooldown_s / cfg.interval_s))
         self.state = {
             p: _PoolState(deque(maxlen=cfg.stable_intervals), deque(maxlen=window)) for p in self.pools
@@ -204,27 +252,31 @@ class Autoscaler:
             raise ValueError(f"the observation has no {', '.join(missing)} pool")
         rate = obs.arrivals / obs.interval_s
         level = self.rate.level
-        self.rate.update(rate)
+        self.rate.update(rate)  # a surge's shorter interval counts as one: its rate is no less real
         if obs.arrivals:
             self.input_len.update(obs.input_len)
             self.output_len.update(obs.output_len)
         self._track_ready(obs)
-        notes = [self._correct(obs, rate, level)]
+        notes = [f"surge: decided {obs.interval_s:.1f} s after the last"] if obs.surge else []
+        notes.append(self._correct(obs, rate, level))
         steps = (cfg.cold_start_s + cfg.interval_s) / cfg.interval_s
-        seen = max(0.0, rate - cfg.noise_sigmas * math.sqrt(obs.arrivals) / obs.interval_s)
+        seen = seen_rate(obs.arrivals, obs.interval_s, cfg.noise_sigmas)
+        if obs.recent_arrivals is not None and obs.recent_s > 0:
+            recent = seen_rate(obs.recent_arrivals, obs.recent_s, cfg.noise_sigmas)
+            notes.append(f"last {obs.recent_s:.1f} s at {obs.recent_arrivals / obs.recent_s:.2f} req/s")
+            seen = max(seen, recent)
         sizing = max(self.rate.forecast(steps), seen)
         holding = max(self.rate.forecast(steps), rate)  # what a scale-down must still carry
         notes.append(f"forecast {self.rate.forecast(steps):.2f} req/s in {steps * cfg.interval_s:.0f} s")
-        model = self.corrected_profile()
-        cap = capacity(model, self.mean_input, self.mean_output, self.slo)
-        if cap.why_not:
-            notes.append(f"no count meets the SLO: {cap.why_not}")
-        needed, why = self._size(model, cap, sizing, obs)
+        needed, why = self._size(sizing, obs)
         pools = {
-            p: self._hysteresis(p, obs, needed[p], why[p], self._demand(p, holding, obs), cap.of(p))
-            for p in self.pools
+            p: self._hysteresis(p, obs, needed[p], why[p], self._demand(p, holding, obs)) for p in self.pools
         }
-        return Decision(obs.t_s, rate, sizing, self.correction, tuple(notes), pools)
+        loads = self._loads({p: d.desired for p, d in pools.items()}, sizing, obs)
+        self.correction = self._factors(loads)
+        if why_not := self._capacity(self.correction).why_not:
+            notes.append(f"no count meets the SLO: {why_not}")
+        return Decision(obs.t_s, rate, sizing, self.correction, tuple(notes), pools, loads)
 
     @property
     def mean_input(self) -> float:
@@ -234,12 +286,36 @@ class Autoscaler:
     def mean_output(self) -> float:
         return self.output_len.value or 1.0
 
-    @property
-    def correction(self) -> tuple[float, float]:
-        return (self.k_prefill.value or 1.0, self.k_decode.value or 1.0)
+    def _loads(self, counts: dict[str, int], rate: float, obs: Observation) -> tuple[float, float]:
+        """Per-replica demand (req/s) of the pools the prefill and the decode factor correct."""
+        pp, dp = self.load_pools
+        prefill = self._demand(pp, rate, obs) / max(1, counts[pp])
+        return prefill, self._demand(dp, rate, obs) / max(1, counts[dp])
 
-    def corrected_profile(self) -> Profile:
-        return scaled(self.profile, *self.correction)
+    def _factors(self, loads: tuple[float, float]) -> tuple[float, float]:
+        """The (prefill, decode) factors at these per-replica loads."""
+        return self.k_prefill.at(loads[0]), self.k_decode.at(loads[1])
+
+    def _capacity(self, factors: tuple[float, float]) -> Capacity:
+        """Per-replica capacity with the step costs corrected by ``factors``. Not cached: one call is
+        ~13 us (a binary search of ~8 decode steps), a decision makes a few dozen."""
+        return capacity(scaled(self.profile, *factors), self.mean_input, self.mean_output, self.slo)
+
+    def _per_replica(self, pool: str, n: int, demand: float) -> float:
+        """Requests/s one of ``n`` replicas of ``pool`` serves at the SLO, corrected at the load
+        ``demand / n`` (each factor at its own pool's load: one pool kind a count here)."""
+        load = demand / max(1, n)
+        return self._capacity(self._factors((load, load))).of(pool)
+
+    def _fewest(self, pool: str, demand: float, share: float, hi: int) -> int | None:
+        """The fewest replicas, up to ``hi``, that carry ``demand`` at ``share`` of their corrected
+        capacity; None when ``hi`` do not (or no count meets the SLO). Scanned: the capacity
+        depends on the count."""
+        for n in range(1, hi + 1):
+            per = self._per_replica(pool, n, demand)
+            if per > 0 and demand <= n * per * share + 1e-9:
+                return n
+        return None
 
     # -- step 2: observed / expected -------------------------------------------------------------
     def _track_ready(self, obs: Observation) -> None:
@@ -264,15 +340,16 @@ class Autoscaler:
             return f"correction kept (the ready layout is predicted over the SLO at {rate:.2f} req/s)"
         lo, hi = cfg.correction_range
         parts = []
-        for name, measured, expected, k in (
-            ("ttft", obs.p90_ttft_ms, ttft, self.k_prefill),
-            ("tpot", obs.p90_tpot_ms, tpot, self.k_decode),
+        for name, measured, expected, k, pool in (
+            ("ttft", obs.p90_ttft_ms, ttft, self.k_prefill, self.load_pools[0]),
+            ("tpot", obs.p90_tpot_ms, tpot, self.k_decode, self.load_pools[1]),
         ):
             if measured is not None and expected > 0 and math.isfinite(expected):
                 ratio = min(hi, max(lo, measured / expected))
                 ratio = 1.0 if abs(ratio - 1.0) <= cfg.correction_tolerance else ratio
-                k.update(ratio)
-                parts.append(f"{name} {measured:.0f}/{expected:.0f} ms")
+                load = rate / obs.pools[pool].ready  # steady: at least one ready
+                k.update(load, ratio)
+                parts.append(f"{name} {measured:.0f}/{expected:.0f} ms at {load:.2f} req/s a {pool} replica")
         return f"correction updated ({', '.join(parts) or 'no latency samples'})"
 
     def _unsteady(self, obs: Observation) -> str:
@@ -303,31 +380,41 @@ class Autoscaler:
         horizon = max(self.slo.ttft_ms / 1000.0, self.config.drain_s)
         return rate + self._backlog(pool, obs) / horizon
 
-    def _size(
-        self, model: Profile, cap: Capacity, rate: float, obs: Observation
-    ) -> tuple[dict[str, int], dict[str, list[str]]]:
+    def _size(self, rate: float, obs: Observation) -> tuple[dict[str, int], dict[str, list[str]]]:
         cfg = self.config
         needed: dict[str, int] = {}
         why: dict[str, list[str]] = {}
         for p in self.pools:
             lo, hi = cfg.bounds_of(p)
-            per = cap.of(p) * cfg.target_utilisation
             demand = self._demand(p, rate, obs)
-            n = hi if per <= 0 else max(1, math.ceil(demand / per - 1e-9))
-            why[p] = [f"closed form {n} for {demand:.2f} req/s at {cap.of(p):.2f} req/s a replica"]
+            fits = self._fewest(p, demand, cfg.target_utilisation, hi)
+            at = fits or hi
+            per = self._per_replica(p, at, demand)
+            n = fits or (hi if per <= 0 else math.ceil(demand / (per * cfg.target_utilisation) - 1e-9))
+            kp, kd = self._factors((demand / at, demand / at))
+            factor = {"prefill": f"x{kp:.2f}", "decode": f"x{kd:.2f}"}.get(p, f"x{kp:.2f}/{kd:.2f}")
+            why[p] = [f"closed form {n} for {demand:.2f} req/s at {per:.2f} req/s a replica ({factor})"]
             if not lo <= n <= hi:
                 why[p].append(f"bounds [{lo}, {hi}]")
             needed[p] = min(hi, max(lo, n))
-        if cfg.simulate and rate > 0 and not cap.why_not:
-            self._check_by_simulation(model, rate, needed, why)
+        if cfg.simulate and rate > 0:
+            self._check_by_simulation(rate, obs, needed, why)
         return needed, why
 
+    def _model_at(self, counts: dict[str, int], rate: float, obs: Observation) -> Profile | None:
+        """The profile corrected at ``counts``' per-replica loads; None where no count meets the SLO."""
+        factors = self._factors(self._loads(counts, rate, obs))
+        return None if self._capacity(factors).why_not else scaled(self.profile, *factors)
+
     def _check_by_simulation(
-        self, model: Profile, rate: float, needed: dict[str, int], why: dict[str, list[str]]
+        self, rate: float, obs: Observation, needed: dict[str, int], why: dict[str, list[str]]
     ) -> None:
         """Add replicas where the simulated steady state at ``rate`` misses the SLO."""
         cfg = self.config
         while True:
+            model = self._model_at(needed, rate, obs)
+            if model is None:
+                return
             ttft, tpot, att, util = self._simulated(model, self.layout_of(needed), rate)
             if att >= cfg.attainment:
                 return
@@ -378,7 +465,7 @@ class Autoscaler:
 
     # -- step 4: hysteresis and bounds -----------------------------------------------------------
     def _hysteresis(
-        self, pool: str, obs: Observation, needed: int, why: list[str], demand: float, per_replica: float
+        self, pool: str, obs: Observation, needed: int, why: list[str], demand: float
     ) -> PoolDecision:
         cfg, st, po = self.config, self.state[pool], obs.pools[pool]
         lo, hi = cfg.bounds_of(pool)
@@ -388,18 +475,18 @@ class Autoscaler:
         since = obs.t_s - st.last_change_s
         desired, reasons = current, list(why)
         if needed > current:
-            urgent = self._urgent(pool, obs, demand, per_replica, current)
+            urgent = self._urgent(pool, obs, demand, current)
             if st.last_direction < 0 and since < cfg.cooldown_s and not urgent:
                 reasons.append(f"hold: scaled down {since:.0f} s ago, no backlog or SLO miss to reverse for")
             else:
                 desired = needed
                 reasons.append("up now" + (f" ({urgent})" if urgent else ""))
+        elif needed < current and obs.surge:
+            reasons.append("hold: scale-downs wait for a regular decision")
         elif needed < current:
             # A replica that just became ready has not been seen at work yet: it counts as a change.
             settled = obs.t_s - max(st.last_change_s, st.ready_rose_s)
-            desired, why_not = self._scale_down(
-                pool, current, demand, per_replica, settled, po.starting, obs.t_s
-            )
+            desired, why_not = self._scale_down(pool, current, demand, settled, po.starting, obs.t_s)
             reasons.append(why_not)
         if not lo <= desired <= hi:
             desired = min(hi, max(lo, desired))
@@ -410,10 +497,11 @@ class Autoscaler:
             st.raised_from[current] = (obs.t_s, demand)
         return PoolDecision(pool, current, needed, desired, tuple(reasons))
 
-    def _urgent(self, pool: str, obs: Observation, demand: float, per_replica: float, current: int) -> str:
+    def _urgent(self, pool: str, obs: Observation, demand: float, current: int) -> str:
         """Why a scale-up cannot wait: a backlog the current count cannot drain, or a measured
         p90 over its SLO; ''."""
         backlog = self._backlog(pool, obs)
+        per_replica = self._per_replica(pool, current, demand)
         if (
             backlog > 0
             and per_replica > 0
@@ -447,7 +535,6 @@ class Autoscaler:
         pool: str,
         current: int,
         demand: float,
-        per_replica: float,
         since: float,
         starting: int,
         now: float,
@@ -463,19 +550,19 @@ class Autoscaler:
                 current,
                 f"hold: last change or replica ready {since:.0f} s ago (cooldown {cfg.cooldown_s:.0f} s)",
             )
-        if per_replica <= 0:
-            return current, "hold: no capacity figure"
         demand = max(st.demand)  # the load of the last cooldown, not one quiet interval
-        floor = max(max(st.needed), math.ceil(demand / (per_replica * cfg.headroom) - 1e-9))
-        if floor >= current:
-            util = demand / ((current - 1) * per_replica) if current > 1 else math.inf
+        fits = self._fewest(pool, demand, cfg.headroom, current - 1)
+        if fits is None:
+            per_replica = self._per_replica(pool, current - 1, demand)
+            if per_replica <= 0 or current <= 1:
+                return current, "hold: no capacity figure"
+            util = demand / ((current - 1) * per_replica)
             return current, f"hold: {current - 1} would run at {util:.0%} (headroom {cfg.headroom:.0%})"
+        floor = max(max(st.needed), fits)
         if held := self._undoes_a_scale_up(st, floor, demand, now):
             return current, held
-        return (
-            floor,
-            f"down: lower for {cfg.stable_intervals} intervals, {demand / (floor * per_replica):.0%} busy",
-        )
+        busy = demand / (floor * self._per_replica(pool, floor, demand))
+        return floor, f"down: lower for {cfg.stable_intervals} intervals, {busy:.0%} busy"
 
 
 def _trailing_below(values: deque[int], current: int) -> int:

@@ -7,10 +7,17 @@ carried into the next one: queued again at its start, their wait so far added to
 carried prompt is prefilled from scratch: this errs towards more requests out of SLO, not fewer).
 A replica asked for is ready ``cold_start_s`` later (at the next interval boundary from then); one
 removed stops taking requests at once, those it holds finishing (the drain).
+
+Each observation carries its interval's second half's arrivals, as the service's half-way scrape
+gives them. Surge decisions at the half interval are not modelled: here the rate steps only at an
+interval's start, where the decision at its end sees the whole interval at the new rate, and a
+replica asked for half an interval earlier would serve from the same boundary (when the cold start
+is a whole number of intervals, as in the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -109,7 +116,8 @@ def run_autoscaled(
         carried, obs = _observe(
             sim, requests, counted, waits, len(carried), slo, t0 + dt, dt, ready, pending, run
         )
-        decision = autoscaler.decide(obs)
+        recent = sum(1 for t in times[k] if t >= dt / 2)
+        decision = autoscaler.decide(dataclasses.replace(obs, recent_arrivals=recent, recent_s=dt / 2))
         run.ready.append(dict(ready))
         run.decisions.append(decision)
         for pool, want in decision.desired.items():

@@ -1,7 +1,8 @@
 """The autoscaler's decisions (planner/autoscale.py) on fixed traces, and in closed loop with the
-simulator (planner/autoscale_sim.py): reaction to a step, no oscillation under noise, the queue in
-the model, cold-start samples ignored, the stable window before a scale-down, bounds, P/D
-awareness, and requests out of SLO after a 2x step within the issue's bar."""
+simulator (planner/autoscale_sim.py): reaction to a step (one late in the interval included), the
+surge test, no oscillation under noise, the queue in the model, cold-start samples ignored, the
+correction by per-replica load, the stable window before a scale-down, bounds, P/D awareness, and
+requests out of SLO after a 2x step within the issue's bar."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import dataclasses
 
 import pytest
 
-from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Observation, PoolObservation
+from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Observation, PoolObservation, surged
 from baton.planner.autoscale_sim import run_autoscaled
 from baton.planner.capacity import capacity
+from baton.planner.correction import LoadCorrection
 from baton.planner.profile import Linear, Profile
 from baton.planner.sim_result import SLO
 from tests.planner_profiles import synthetic_profile
@@ -60,6 +62,51 @@ def test_a_2x_step_is_acted_on_in_the_interval_that_shows_it():
     assert step.desired["decode"] >= 4
     assert "up now" in str(step.pools["decode"])
     assert step.desired["prefill"] == 1
+
+
+def test_a_2x_step_late_in_the_interval_is_acted_on_by_the_decision_after_it():
+    """The step fell 4.7 s before the decision: 88 arrivals in the interval (8.8 req/s, 7.9 less
+    the noise), 58 of them in its last 5 s (11.6 req/s, 10.1 less the noise). 3 decode replicas
+    carry 9.1 req/s at 80%: the whole interval's rate holds them, its last half's does not."""
+    a, b = (Autoscaler(decode_heavy_profile(), SLO_, colocated=False) for _ in range(2))
+    before, t = _settle(a, 6.0, {"prefill": 1, "decode": 3})
+    _settle(b, 6.0, {"prefill": 1, "decode": 3})
+    whole = dataclasses.replace(_obs(t + INTERVAL, 0.0, before.desired), arrivals=88)
+    held = b.decide(whole)
+    assert held.desired["decode"] == 3
+    step = a.decide(dataclasses.replace(whole, recent_arrivals=58, recent_s=5.0))
+    assert step.desired["decode"] == 4 and "up now" in str(step.pools["decode"])
+    assert step.sizing_rate == pytest.approx((58 - 58**0.5) / 5.0)
+    assert "last 5.0 s at 11.60 req/s" in str(step)
+
+
+def test_a_surge_is_the_half_intervals_rate_over_the_sizing_rate_by_more_than_the_noise():
+    # Sized for 6 req/s; 5 s with 60 arrivals (12 req/s) is a surge, with 38 (7.6) a noisy half:
+    # less 2 sigmas (12.3 arrivals) it is 5.1 req/s. At 1 sigma 38 would be one (6.4 req/s).
+    assert surged(60, 5.0, 6.0, 2.0)
+    assert not surged(38, 5.0, 6.0, 2.0)
+    assert surged(38, 5.0, 6.0, 1.0)
+    assert not surged(0, 0.0, 0.0, 2.0)
+
+
+def test_a_surge_decision_scales_up_but_never_down():
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
+    high, t = _settle(a, 12.0, {"prefill": 1, "decode": 4}, intervals=12)
+    assert high.desired["decode"] == 4
+    # 3 req/s for a while: the regular decisions would scale down, a surge decision may not.
+    quiet = dataclasses.replace(_obs(t + INTERVAL, 1.5, high.desired), interval_s=5.0, surge=True)
+    for _ in range(8):
+        d = a.decide(quiet)
+        assert d.desired["decode"] == 4 and "scale-downs wait for a regular decision" in str(d)
+        quiet = dataclasses.replace(quiet, t_s=quiet.t_s + INTERVAL)
+    regular = a.decide(dataclasses.replace(quiet, interval_s=10.0, arrivals=30, surge=False))
+    assert regular.desired["decode"] < 4
+    # And up at once.
+    b = Autoscaler(decode_heavy_profile(), SLO_, colocated=False)
+    low, t = _settle(b, 6.0, {"prefill": 1, "decode": 3})
+    surge = dataclasses.replace(_obs(t + 5.0, 6.0, low.desired), interval_s=5.0, surge=True)
+    d = b.decide(surge)  # 60 arrivals in 5 s
+    assert d.desired["decode"] >= 4 and "surge: decided 5.0 s after the last" in str(d)
 
 
 def _naive() -> AutoscaleConfig:
@@ -191,6 +238,59 @@ def test_a_scale_up_is_undone_only_by_a_fall_in_demand():
     assert held[-1][1] <= 3  # 4 req/s is a fall of more than 20%: the scale-up is undone
     old = run({3: (-700.0, 7.0)})  # longer ago than reversal_memory_s (600 s)
     assert [n for rate, n, _ in old if rate == 7.0][-1] == 3
+
+
+def test_the_correction_by_load_interpolates_between_measured_loads_and_damps_the_first():
+    k = LoadCorrection(alpha=0.5, spacing=1.25)
+    assert k.at(2.0) == 1.0  # nothing measured: the profile
+    assert k.update(2.0, 1.8) == pytest.approx(1.4)  # the first moves 1.0 halfway, not outright
+    assert k.update(2.0, 1.8) == pytest.approx(1.6)
+    assert k.at(5.0) == k.at(0.1) == pytest.approx(1.6)  # one bucket: the nearest everywhere
+    k.update(1.0, 1.2)  # a new bucket starts from the factor believed there (1.6)
+    assert k.at(1.0) == pytest.approx(1.4)
+    assert k.at(2**0.5) == pytest.approx(1.5)  # halfway in log load
+    assert k.at(0.5) == pytest.approx(1.4) and k.at(3.0) == pytest.approx(1.6)
+    k.update(2.1, 1.6)  # within the spacing of 2.0: the same bucket, its load averaged
+    assert len(k.buckets) == 2
+
+
+def _served(cfg: AutoscaleConfig, ratio: dict[int, float], rate: float, intervals: int) -> list:
+    """Decisions at a constant ``rate`` whose measured p90 TPOT is ``ratio[decode ready]`` x what the
+    profile predicts for the ready layout (each desired count ready at once)."""
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
+    t, ready, out = 0.0, {"prefill": 1, "decode": 3}, []
+    for _ in range(intervals):
+        t += INTERVAL
+        _, tpot, _, _ = a._simulated(a.profile, a.layout_of(ready), rate, round_up=False)
+        d = a.decide(_obs(t, rate, ready, tpot=tpot * ratio[ready["decode"]]))
+        ready = d.desired
+        out.append(d)
+    return out
+
+
+def test_a_correction_measured_with_few_replicas_does_not_hold_many_at_constant_load():
+    """Emulated workers at a constant 5.2 req/s served TPOT 44/25 ms with 3 decode replicas and
+    24/19 ms with 6: the overhead of serving is more additive than multiplicative. Here, at
+    7.2 req/s, the measured/expected TPOT is x4 (the clamp; 94 ms, over the SLO) with 3, x1.55 with
+    4, x1.3 with 5 and x1.25 with 6 replicas. The first sample, with 3 (damped to x1.9), asks for 6
+    at once. Measured
+    with 6 and then 5, the correction by per-replica load settles at 5: at 4 replicas (1.8 req/s
+    each) it interpolates x1.56 between the loads of 5 and 3, and 4 would run over 80%. It never
+    tries 4. One factor for every load (one bucket) goes down to 4 on the factor measured with 5,
+    where its own measure says 5 again: a reversal."""
+    ratio = {3: 4.0, 4: 1.55, 5: 1.3, 6: 1.25, 7: 1.2, 8: 1.2}
+    decisions = _served(AutoscaleConfig(), ratio, 7.2, 40)
+    per_load = [d.desired["decode"] for d in decisions]
+    assert per_load[:3] == [3, 3, 6] and max(per_load) == 6
+    top = per_load.index(6)
+    assert min(per_load[top:]) == 5 and per_load[-10:] == [5] * 10
+    assert sum(1 for x, y in zip([3, *per_load], per_load) if x != y) == 2  # up once, down once
+    one = [d.desired["decode"] for d in _served(AutoscaleConfig(correction_spacing=1e9), ratio, 7.2, 40)]
+    assert 4 in one and one[-1] == 5
+    # The decision says which factors it used: decode's at the chosen count's load.
+    last = decisions[-1]
+    assert last.correction_load is not None and last.correction_load[1] == pytest.approx(7.2 / 5, rel=0.05)
+    assert "decode x1.3" in str(last)
 
 
 def test_bounds_hold_both_ways():

@@ -39,6 +39,7 @@ PURE_MODULES = [
     "baton.planner.autoscale",
     "baton.planner.autoscale_sim",
     "baton.planner.capacity",
+    "baton.planner.correction",
     "baton.planner.forecast",
     "baton.planner.cli",
     "baton.planner.baseline",
