@@ -1,7 +1,11 @@
 """``baton autoscaler``: the planner's autoscaler (``planner/autoscale.py``) as a service.
 
 Each interval it reads the gateway, which sees every request and knows every worker, so the same
-two URLs serve ``baton up`` and a cluster (the gateway's Service):
+two URLs serve ``baton up`` and a cluster (the gateway's Service). It reads it at each half interval
+too: the decision at the interval's end sizes for the higher of the whole interval's rate and its
+last half's (a step late in the interval is not halved), and a half interval whose rate is over
+what the last decision sized for by more than the noise (``planner.autoscale.surged``) is decided at
+once, the interval clock restarting from it: a step is acted on within one interval of it.
 
 - ``GET /metrics`` (Prometheus text, parsed with prometheus_client's parser): arrivals are the
   change of ``baton:request_success_total`` (finished) plus ``baton:gateway_requests_in_flight``;
@@ -21,6 +25,7 @@ see in the registry count as starting for ``cold_start_s`` x 3 (then they are ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -35,7 +40,14 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.env import api_keys
-from baton.planner.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, PoolObservation
+from baton.planner.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    Decision,
+    Observation,
+    PoolObservation,
+    surged,
+)
 from baton.planner.profile import Profile
 from baton.planner.sim_result import SLO, parse_slo
 
@@ -133,8 +145,11 @@ def observation(
     after: GatewayCounters,
     pools: dict[str, dict[str, float]],
     starting: dict[str, int],
+    half: GatewayCounters | None = None,
+    half_s: float = 0.0,
 ) -> Observation:
-    """The interval between two scrapes as the autoscaler takes it."""
+    """The interval between two scrapes as the autoscaler takes it; ``half``: a scrape ``half_s``
+    before ``after`` (the interval's half-way one), whose arrivals since are the recent rate."""
     arrivals = max(0, round(after.started - before.started))
     finished = after.finished - before.finished
     firsts = after.first_tokens - before.first_tokens
@@ -154,6 +169,8 @@ def observation(
         p90_ttft_ms=ttft * 1000.0 if ttft is not None else None,
         p90_tpot_ms=itl * 1000.0 if itl is not None else None,
         interval_s=interval_s,
+        recent_arrivals=max(0, round(after.started - half.started)) if half is not None else None,
+        recent_s=half_s if half is not None else 0.0,
     )
 
 
@@ -168,8 +185,15 @@ def http_get(api_key: str | None, timeout_s: float = 5.0) -> Callable[[str], str
     return get
 
 
+@dataclass(frozen=True)
+class Scrape:
+    t_s: float
+    counters: GatewayCounters
+
+
 class AutoscalerService:
-    """Scrapes, decides and exports; ``step()`` is one interval, ``run(stop)`` the loop."""
+    """Scrapes, decides and exports; ``step()`` is one scrape (a decision at an interval's end, or
+    on a surge at its half), ``next_scrape_s()`` when the next is due, ``run(stop)`` the loop."""
 
     def __init__(
         self,
@@ -191,7 +215,12 @@ class AutoscalerService:
             ["pool"],
             registry=self.registry,
         )
-        self.last: GatewayCounters | None = None
+        self.last: Scrape | None = None
+        """The scrape of the last decision (the interval's start), or the baseline."""
+        self.half: Scrape | None = None
+        """This interval's half-way scrape."""
+        self.sized_for: float | None = None
+        """Requests/s the last decision sized for: a half interval over it is a surge."""
         self.asked: dict[str, tuple[int, float]] = {}  # pool -> (desired, when it last rose)
         self.decisions: list[Decision] = []
         self.t0 = time.monotonic()
@@ -210,20 +239,55 @@ class AutoscalerService:
             for p, (want, since) in self.asked.items()
         }
 
+    def next_scrape_s(self) -> float:
+        """When the next scrape is due (service seconds): half an interval after the last decision,
+        then a whole one."""
+        if self.last is None:
+            return 0.0
+        interval = self.autoscaler.config.interval_s
+        return self.last.t_s + (interval if self.half is not None else interval / 2)
+
     def step(self, now: float | None = None) -> Decision | None:
-        """One interval at ``now`` (seconds since the service started by default): None on the
-        first scrape (a baseline for the counters)."""
+        """One scrape at ``now`` (seconds since the service started by default). The first is the
+        counters' baseline (None). One within three quarters of an interval of the last decision is
+        the half-way scrape: it decides only on a surge since that decision (a surge decision), else
+        None. A later one decides on the interval since the last decision, its last half being the
+        time since the half-way scrape."""
         now = time.monotonic() - self.t0 if now is None else now
         counters, pools = self.scrape()
-        before, self.last = self.last, counters
-        if before is None:
+        last, cfg = self.last, self.autoscaler.config
+        if last is None:
+            self.last = Scrape(now, counters)
             for p in self.autoscaler.pools:
                 self.desired.labels(pool=p).set(max(1, int(pools[p]["ready"])))
             return None
-        interval = self.autoscaler.config.interval_s
-        d = self.autoscaler.decide(
-            observation(now, interval, before, counters, pools, self.count_starting(pools, now))
+        elapsed = now - last.t_s
+        starting = self.count_starting(pools, now)
+        if elapsed < 0.75 * cfg.interval_s:
+            self.half = Scrape(now, counters)
+            arrivals = max(0, round(counters.started - last.counters.started))
+            if self.sized_for is None or not surged(arrivals, elapsed, self.sized_for, cfg.surge_sigmas):
+                return None
+            obs = observation(now, elapsed, last.counters, counters, pools, starting)
+            return self._decide(dataclasses.replace(obs, surge=True), Scrape(now, counters))
+        half = self.half
+        obs = observation(
+            now,
+            elapsed,
+            last.counters,
+            counters,
+            pools,
+            starting,
+            half.counters if half is not None else None,
+            now - half.t_s if half is not None else 0.0,
         )
+        return self._decide(obs, Scrape(now, counters))
+
+    def _decide(self, obs: Observation, scrape: Scrape) -> Decision:
+        """Decide on ``obs``, export and log it; the interval clock restarts at ``scrape``."""
+        now = scrape.t_s
+        d = self.autoscaler.decide(obs)
+        self.last, self.half, self.sized_for = scrape, None, d.sizing_rate
         for p, n in d.desired.items():
             self.desired.labels(pool=p).set(n)
             prev = self.asked.get(p)
@@ -237,15 +301,17 @@ class AutoscalerService:
         return d
 
     def run(self, stop: threading.Event) -> None:
-        """Step every interval until ``stop``; a failed scrape is logged and the interval skipped."""
-        interval = self.autoscaler.config.interval_s
+        """Step at each half interval until ``stop``; a failed scrape is logged and retried half an
+        interval later."""
         while not stop.is_set():
-            started = time.monotonic()
+            wait = 0.0
             try:
                 self.step()
             except (OSError, ValueError, KeyError) as e:
                 log.warning("autoscaler: scrape or decision failed, keeping the last desired counts: %s", e)
-            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+                wait = self.autoscaler.config.interval_s / 2
+            now = time.monotonic() - self.t0
+            stop.wait(max(wait, self.next_scrape_s() - now))
 
 
 # -- the command -----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``baton up --autoscale``: the autoscaler (``planner/autoscale.py``, read as
 ``services/autoscaler.py`` reads it) inside ``baton up``, starting and retiring real workers.
 
-Each interval it scrapes the gateway, decides, and moves each pool to its desired count: a worker
+Each interval it scrapes the gateway, decides, and moves each pool to its desired count (at each
+half interval it scrapes too, and decides at once on a surge: ``services/autoscaler.py``): a worker
 is added with the pool's own command line (the first worker's, unpinned) under the next free name
 (``decode-2``, ...); a worker removed is the pool's newest, retired with one SIGTERM
 (``Supervisor.retire``): it leaves the registry at once, finishes the streams it holds within the
@@ -96,7 +97,8 @@ class WorkerPool:
 
 
 class UpAutoscaler:
-    """Called from ``baton up``'s supervision loop (``tick``); one decision per interval."""
+    """Called from ``baton up``'s supervision loop (``tick``); one decision per interval, and one
+    on a surge at a half interval."""
 
     def __init__(
         self,
@@ -123,12 +125,13 @@ class UpAutoscaler:
         now = time.monotonic()
         if now < self.next_at:
             return None
-        self.next_at = now + self.interval_s
         try:
             decision = self.service.step()
         except (OSError, ValueError, KeyError) as e:
             log.warning("autoscale: could not read the gateway, nothing changed: %s", e)
+            self.next_at = now + self.interval_s / 2
             return None
+        self.next_at = self.service.t0 + self.service.next_scrape_s()
         if decision is not None:
             self.apply(decision)
         return decision

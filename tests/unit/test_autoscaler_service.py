@@ -139,6 +139,37 @@ def test_the_service_decides_and_exports_desired_replicas_for_keda(gateway_metri
         thread.join(timeout=5)
 
 
+def test_a_surge_half_an_interval_after_a_decision_is_decided_at_once(gateway_metrics):
+    m, url = gateway_metrics
+    workers = _workers(0.0, 0.0)  # 1 prefill, 2 decode, nothing waiting
+    workers[-1]["load"]["num_waiting"] = 0.0
+
+    def get(u: str) -> str:
+        return json.dumps({"workers": workers}) if u.endswith("/workers") else _get(u)
+
+    cfg = AutoscaleConfig(bounds={"prefill": (1, 4), "decode": (1, 6)})
+    service = AutoscalerService(Autoscaler(decode_heavy_profile(), SLO(500, 50), False, cfg), url, get)
+
+    def half(n: int, now: float):
+        _traffic(m, n, 0.05, 0.02, 256, 128)
+        return service.step(now=now)
+
+    assert service.step(now=0.0) is None and service.next_scrape_s() == 5.0
+    assert half(30, 5.0) is None  # half-way, and no decision yet to have sized for anything
+    assert service.next_scrape_s() == 10.0
+    d = half(30, 10.0)  # 6 req/s: 2 decode replicas carry it
+    assert d is not None and d.desired["decode"] == 2 and d.sizing_rate == pytest.approx(6.0)
+    assert "last 5.0 s at 6.00 req/s" in str(d)
+    # A noisy half: 38 in 5 s is 7.6 req/s, 5.1 less 2 sigmas: no surge, no decision.
+    assert half(38, 15.0) is None and service.next_scrape_s() == 20.0
+    assert half(22, 20.0).desired["decode"] == 2
+    # Twice the rate in the next half: decided at once, and the interval clock restarts from it.
+    surge = half(60, 25.0)
+    assert surge is not None and surge.desired["decode"] >= 4
+    assert "surge: decided 5.0 s after the last" in str(surge) and "up now" in str(surge.pools["decode"])
+    assert service.decisions[-1] is surge and service.next_scrape_s() == 30.0
+
+
 def test_the_command_line_sets_bounds_and_refuses_bad_ones():
     a = build_parser().parse_args(
         [
