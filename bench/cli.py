@@ -22,6 +22,7 @@ def register(subparsers) -> None:
         profile,
         roofline,
         serve,
+        served_profile,
         transfer,
     )
 
@@ -37,6 +38,7 @@ def register(subparsers) -> None:
         accuracy,
         roofline,
         fidelity,
+        served_profile,
         autoscale_emulated,
     ):
         module.register(bench)

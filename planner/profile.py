@@ -12,6 +12,9 @@ models below by least squares; the simulator only calls the predictors. Models, 
 - moving a prompt's KV costs ``a + b * N`` ms for ``N`` tokens, per transport;
 - the gateway adds ``gateway_ms`` to a request's first token.
 
+A served profile (``served.py``) is one of these with the served path's costs folded into the
+prefill and decode models, fitted on one layout through the real gateway.
+
 Written as versioned JSON with the machine it was taken on; ``drift`` compares two.
 """
 
@@ -79,6 +82,9 @@ class Profile:
     points: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     """The measured points each model was fitted on: {"prefill": [{"tokens", "pairs", "ms"}],
     "decode": [{"batch", "context", "ms"}], "transfer.ucx": [{"tokens", "ms"}], ...}."""
+    served: dict = field(default_factory=dict)
+    """Set in a served profile (``planner/served.py``): the layout it was calibrated on, its
+    factors and the calibration's measurements; empty in an engine profile."""
     version: int = VERSION
 
     def prefill_ms(self, pieces: Sequence[tuple[int, int]]) -> float:
@@ -111,6 +117,7 @@ class Profile:
             gateway_ms=float(d["gateway_ms"]),
             taken_at=d["taken_at"],
             points=d.get("points", {}),
+            served=d.get("served", {}),
         )
 
     @classmethod

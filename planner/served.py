@@ -1,0 +1,241 @@
+"""The served path's costs on top of the engine's (pure: no torch).
+
+``baton profile`` times the engine alone. Served, every token also costs CPU outside the engine's
+step: the worker's gRPC send, the gateway's server-sent event, the client's parse. Where those
+processes share the workers' cores (one machine, as ``baton up`` runs), that CPU comes out of the
+engine's steps; and a prompt's first token also waits for the gateway and, disaggregated, the
+hand-off. Measured on 2 cores, served TPOT was 1.1-1.3x the engine profile's at low load and up to
+1.7x past capacity, and the simulator was optimistic near capacity by as much.
+
+So a layout's **served profile** is its engine profile with two factors fitted on a calibration
+trace replayed through the real layout (``bench/served_profile.py``) and simulated beside it:
+
+- ``step_ms``: ms each decode step costs more, whatever its batch (the decode model's fixed
+  cost grows by it: the step's hand-off to the worker's event loop and gRPC streams);
+- ``stream_ms``: CPU ms each streamed token costs the decoding worker's step (the decode model's
+  per-sequence coefficient grows by it: a step of ``B`` sequences pays ``B * stream_ms`` more);
+- ``prefill_scale``: the prefill model's costs times this (the prompt's path through the served
+  layout against the engine alone).
+
+The calibration trace (``calibration_trace``) is built to tell them apart and is none of the runs
+a prediction is later checked on: prompts alone (prefill), batches of streams started together
+(decode at batch 1-16), prompts arriving while a batch decodes (the two at once), and a steady
+Poisson stream of 256 -> 128-token requests at 60% of the layout's simulated throughput (the
+mixed steps of continuous batching). The fit (``fit_served``) alternates a grid search of the two
+decode terms together (they trade against each other) with one of the prefill factor, minimizing
+the squared log error of every request's TTFT and TPOT, the simulator replaying the same trace for
+each candidate. Requests sent together are told apart by order
+only: within each group of equal lengths sent within ``GROUP_S``, predicted and measured values
+are paired in sorted order (the client's start order is not the trace's at a millisecond).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from baton.planner.layout import Layout
+from baton.planner.profile import Linear, Profile
+from baton.planner.sim_result import SLO
+from baton.planner.simulate import Simulator
+from baton.planner.workload import Requests
+
+Row = tuple[float, int, int]
+"""``(seconds since the trace's start, prompt tokens, output tokens)``."""
+
+PREFILL_SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(25))  # 0.80 .. 2.00
+STEP_MS = tuple(round(0.5 * i, 1) for i in range(21))  # 0 .. 10 ms a step
+STREAM_MS = tuple(round(0.1 * i, 1) for i in range(31))  # 0 .. 3 ms a token
+GAP_S = 1.0
+"""Idle seconds between the trace's segments, on top of each segment's predicted length."""
+GROUP_S = 0.1
+MIN_TPOT_TOKENS = 8
+"""TPOTs of requests with fewer output tokens are not fitted (one gap is noise)."""
+STEADY_LOAD = 0.6
+STEADY_S = 20.0
+_ANY_SLO = SLO(1e12, 1e12)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A layout's fitted served-path factors (kept in the served profile's ``served`` field)."""
+
+    layout: str
+    prefill_scale: float
+    step_ms: float
+    stream_ms: float
+    error: float
+    """The fit's root mean squared log error over TTFTs and TPOTs (0.1: about 10%)."""
+    engine_error: float
+    """The same error with the engine profile alone (factors 1 and 0)."""
+    requests: int
+
+
+def served_profile(profile: Profile, prefill_scale: float, step_ms: float, stream_ms: float) -> Profile:
+    """``profile`` with the prefill model times ``prefill_scale``, and each decode step costing
+    ``step_ms`` more and ``stream_ms`` more a sequence."""
+    p, d = profile.prefill, profile.decode
+    return dataclasses.replace(
+        profile,
+        prefill=Linear(p.a * prefill_scale, p.b * prefill_scale, p.c * prefill_scale),
+        decode=Linear(d.a + step_ms, d.b + stream_ms, d.c),
+    )
+
+
+# -- the calibration trace ----------------------------------------------------------------------------
+def calibration_segments(chunk: int) -> list[list[Row]]:
+    """The trace's segments, each from its own start: prompts alone, batches of streams, and
+    prompts during a batch's decoding. ``chunk`` is the engine's prefill token budget (prompts
+    up to 4 chunks long)."""
+    segments: list[list[Row]] = []
+    for tokens in (128, 384, 768, min(1536, 4 * chunk)):
+        segments.append([(0.0, tokens, 2)])
+    for batch in (1, 4, 8, 16):
+        segments.append([(0.001 * i, 128, 96) for i in range(batch)])
+    busy = [(0.001 * i, 128, 192) for i in range(8)]
+    segments.append(sorted(busy + [(1.0 + 1.0 * i, 512, 2) for i in range(4)]))
+    return segments
+
+
+def steady_segment(profile: Profile, layout: Layout, seed: int = 0) -> list[Row]:
+    """``STEADY_S`` of Poisson arrivals of 256 -> 128-token requests at ``STEADY_LOAD`` of the
+    layout's simulated throughput (64 such requests sent at once, over their makespan)."""
+    burst = [(0.0, 256, 128)] * 64
+    sim = _simulator(profile, layout, burst)
+    sim.run()
+    rate = STEADY_LOAD * 64 / (max(sim.finish) / 1000.0)
+    rng, t, rows = random.Random(seed), 0.0, []
+    while t < STEADY_S:
+        rows.append((round(t, 4), 256, 128))
+        t += rng.expovariate(rate)
+    return rows
+
+
+def calibration_trace(profile: Profile, layout: Layout) -> list[Row]:
+    """The segments one after another, each given its predicted length (the engine profile's, x2
+    for a slower served path) and ``GAP_S`` so that they do not overlap."""
+    rows: list[Row] = []
+    t = 0.0
+    segments = calibration_segments(profile.engine.max_num_batched_tokens)
+    for segment in [*segments, steady_segment(profile, layout)]:
+        rows += [(round(t + s, 4), i, o) for s, i, o in segment]
+        sim = _simulator(profile, layout, segment)
+        sim.run()
+        t += 2.0 * max(sim.finish) / 1000.0 + GAP_S
+    return rows
+
+
+# -- the fit -----------------------------------------------------------------------------------------
+def predicted(
+    profile: Profile, layout: Layout, rows: Sequence[Row]
+) -> tuple[list[float], list[float | None]]:
+    """Each request's simulated TTFT and TPOT (None for one output token), in ms."""
+    sim = _simulator(profile, layout, rows)
+    sim.run()
+    ttft, tpot = [], []
+    for rid, (arrival, _, out) in enumerate(rows):
+        first, end = sim.ttft[rid], sim.finish[rid]
+        ttft.append(first)
+        tpot.append((end - arrival * 1000.0 - first) / (out - 1) if out > 1 and end >= 0 else None)
+    return ttft, tpot
+
+
+def groups(rows: Sequence[Row]) -> list[list[int]]:
+    """Row indices in groups of equal lengths sent within ``GROUP_S`` of the group's first."""
+    out: list[list[int]] = []
+    open_: dict[tuple[int, int], tuple[float, list[int]]] = {}
+    for i, (t, n_in, n_out) in enumerate(rows):
+        start, members = open_.get((n_in, n_out), (-math.inf, []))
+        if t - start > GROUP_S:
+            members = []
+            out.append(members)
+            open_[(n_in, n_out)] = (t, members)
+        members.append(i)
+    return out
+
+
+def log_error(
+    rows: Sequence[Row],
+    pred: tuple[list[float], list[float | None]],
+    ttft_ms: Sequence[float | None],
+    tpot_ms: Sequence[float | None],
+) -> float:
+    """Root mean squared ``log(predicted / measured)`` over every measured TTFT, and every TPOT of
+    ``MIN_TPOT_TOKENS`` or more tokens, paired in sorted order within each group (``groups``)."""
+    terms = []
+    for group in groups(rows):
+        pairs = [
+            (pred[0], ttft_ms, [i for i in group]),
+            (pred[1], tpot_ms, [i for i in group if rows[i][2] >= MIN_TPOT_TOKENS]),
+        ]
+        for p_all, m_all, idx in pairs:
+            ok = [i for i in idx if m_all[i] is not None and p_all[i] is not None]
+            for p, m in zip(sorted(p_all[i] for i in ok), sorted(m_all[i] for i in ok)):
+                if p > 0 and m > 0:
+                    terms.append(math.log(p / m) ** 2)
+    if not terms:
+        raise ValueError("no request of the calibration trace was measured")
+    return math.sqrt(sum(terms) / len(terms))
+
+
+def fit_served(
+    profile: Profile,
+    layout: Layout,
+    rows: Sequence[Row],
+    ttft_ms: Sequence[float | None],
+    tpot_ms: Sequence[float | None],
+) -> Served:
+    """The factors whose simulation of ``rows`` comes closest to the measured TTFTs and TPOTs
+    (None: the request failed, or had one output token). From (1, 0, 0): the decode terms over
+    their grid, the prefill factor over its own, then a descent to the best of the 26 neighbours
+    on the three grids (the factors trade against each other), until nothing moves."""
+    if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
+        raise ValueError("one measured TTFT and TPOT per row of the trace")
+    cache: dict[tuple[float, float, float], float] = {}
+
+    def err(scale: float, step: float, stream: float) -> float:
+        key = (scale, step, stream)
+        if key not in cache:
+            pred = predicted(served_profile(profile, *key), layout, rows)
+            cache[key] = log_error(rows, pred, ttft_ms, tpot_ms)
+        return cache[key]
+
+    grids = (PREFILL_SCALES, STEP_MS, STREAM_MS)
+    decode = [(a, b) for a in STEP_MS for b in STREAM_MS]
+    at = [grids[0].index(1.0), 0, 0]
+
+    def value(ix: Sequence[int]) -> float:
+        return err(*(g[i] for g, i in zip(grids, ix)))
+
+    for _ in range(6):
+        before = list(at)
+        step, stream = min(decode, key=lambda d: (err(grids[0][at[0]], *d), d))
+        at[1:] = [STEP_MS.index(step), STREAM_MS.index(stream)]
+        at[0] = min(
+            range(len(PREFILL_SCALES)), key=lambda k: (value([k, *at[1:]]), abs(PREFILL_SCALES[k] - 1))
+        )
+        # then every neighbour on the grid, diagonals too (the factors trade against each other)
+        while True:
+            near = [
+                [i + d for i, d in zip(at, (d0, d1, d2))]
+                for d0 in (-1, 0, 1)
+                for d1 in (-1, 0, 1)
+                for d2 in (-1, 0, 1)
+            ]
+            near = [ix for ix in near if all(0 <= i < len(g) for i, g in zip(ix, grids))]
+            best = min(near, key=lambda ix: (value(ix), ix != at))
+            if best == at:
+                break
+            at = best
+        if at == before:
+            break
+    scale, step, stream = (g[i] for g, i in zip(grids, at))
+    return Served(str(layout), scale, step, stream, err(scale, step, stream), err(1.0, 0.0, 0.0), len(rows))
+
+
+def _simulator(profile: Profile, layout: Layout, rows: Sequence[Row]) -> Simulator:
+    requests = Requests([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    return Simulator(profile, layout, requests, _ANY_SLO)

@@ -1,0 +1,91 @@
+"""The served profile's calibration (planner/served.py): the trace keeps its segments apart, the
+fit recovers known factors from the simulator's own answers, pairs requests sent together by order
+only, and the factors round-trip through the profile's JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.planner.layout import parse_layout
+from baton.planner.profile import Linear, Profile
+from baton.planner.served import (
+    MIN_TPOT_TOKENS,
+    calibration_trace,
+    fit_served,
+    groups,
+    log_error,
+    predicted,
+    served_profile,
+)
+from tests.planner_profiles import synthetic_profile
+
+
+def _profile() -> Profile:
+    return synthetic_profile(
+        Linear(20.0, 0.4, 2e-5),
+        Linear(10.0, 0.6, 0.002),
+        transfer={"ucx": Linear(2.0, 0.01)},
+        max_num_batched_tokens=512,
+    )
+
+
+def test_the_served_profile_adds_the_decode_terms_and_scales_prefill():
+    p = served_profile(_profile(), 1.5, 3.0, 0.5)
+    assert (p.prefill.a, p.prefill.b, p.prefill.c) == pytest.approx((30.0, 0.6, 3e-5))
+    assert (p.decode.a, p.decode.b, p.decode.c) == pytest.approx((13.0, 1.1, 0.002))
+    # a step of 8 sequences pays 3 ms + 8 x 0.5 ms more
+    assert p.decode_ms(8, 1000) - _profile().decode_ms(8, 1000) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("layout", ["colocated", "1p1d", "colocated:2"])
+def test_the_calibration_segments_do_not_overlap(layout):
+    profile, lay = _profile(), parse_layout(layout)
+    rows = calibration_trace(profile, lay)
+    assert rows == sorted(rows) and len(rows) > 40
+    ttft, _ = predicted(profile, lay, rows)
+    assert all(t > 0 for t in ttft)
+    # the prompts sent alone come first, each done before the next: TTFT grows with the prompt
+    assert [r[2] for r in rows[:4]] == [2, 2, 2, 2]
+    assert ttft[0] < ttft[1] < ttft[2] < ttft[3]
+
+
+@pytest.mark.parametrize("layout", ["colocated", "1p1d", "colocated:2"])
+@pytest.mark.parametrize("factors", [(1.0, 0.0, 0.0), (1.25, 3.0, 0.5), (0.9, 1.5, 1.2)])
+def test_the_fit_recovers_the_factors_the_measurements_were_made_with(layout, factors):
+    profile, lay = _profile(), parse_layout(layout)
+    rows = calibration_trace(profile, lay)
+    ttft, tpot = predicted(served_profile(profile, *factors), lay, rows)
+    fit = fit_served(profile, lay, rows, ttft, tpot)
+    assert (fit.prefill_scale, fit.step_ms, fit.stream_ms) == pytest.approx(factors)
+    assert fit.error == pytest.approx(0.0, abs=1e-9)
+    assert fit.engine_error > 0 or factors == (1.0, 0.0, 0.0)
+
+
+def test_requests_sent_together_are_paired_in_sorted_order():
+    rows = [(0.0, 128, 96), (0.001, 128, 96), (0.002, 128, 96), (5.0, 128, 96), (5.0, 512, 2)]
+    assert groups(rows) == [[0, 1, 2], [3], [4]]
+    pred = ([100.0, 300.0, 500.0, 50.0, 80.0], [20.0, 20.0, 20.0, 10.0, None])
+    # the client started them in another order: the same values, permuted, are no error
+    assert log_error(rows, pred, [500.0, 100.0, 300.0, 50.0, 80.0], [20.0, 20.0, 20.0, 10.0, None]) == 0.0
+    # but the one sent alone is its own
+    assert log_error(rows, pred, [100.0, 300.0, 500.0, 100.0, 80.0], [20.0, 20.0, 20.0, 10.0, None]) > 0
+
+
+def test_short_outputs_tpot_and_failures_are_not_fitted():
+    rows = [(0.0, 128, 2), (1.0, 128, MIN_TPOT_TOKENS)]
+    pred = ([100.0, 100.0], [20.0, 20.0])
+    # a two-token request's one gap is noise; a failed request (None) has nothing to compare
+    assert log_error(rows, pred, [100.0, 100.0], [1.0, 20.0]) == 0.0
+    assert log_error(rows, pred, [None, 100.0], [None, 20.0]) == 0.0
+    with pytest.raises(ValueError, match="no request"):
+        log_error(rows, pred, [None, None], [None, None])
+
+
+def test_a_served_profile_round_trips_with_its_factors(tmp_path):
+    served = {"layout": "1p1d", "prefill_scale": 1.1, "step_ms": 0.5, "stream_ms": 0.2}
+    p = served_profile(_profile(), 1.1, 0.5, 0.2)
+    p = Profile(**{**p.__dict__, "served": served})
+    p.save(tmp_path / "p.json")
+    q = Profile.load(tmp_path / "p.json")
+    assert q == p and q.served == served
+    assert (q.decode.a, q.decode.b, q.decode.c) == pytest.approx((10.5, 0.8, 0.002))
