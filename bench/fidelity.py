@@ -277,6 +277,32 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
     return [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
 
 
+def repredict(run: dict, profile: Profile) -> dict:
+    """``run`` with its predictions remade by ``profile`` from the requests it records (the same
+    arrivals and lengths): another profile's answer on the same real run."""
+    req = run["requests"]
+    rows = tuple(zip(req["arrival_s"], req["input_len"], req["output_len"]))
+    slo = SLO(run["slo"]["ttft"], run["slo"]["tpot"])
+    predicted = simulate(profile, parse_layout(run["layout"]), Workload(trace=rows, num_prompts=0), slo)
+    return {
+        **run,
+        "predicted_attainment": predicted.slo_attainment,
+        "predicted_p90_ttft_ms": _nan_to_none(predicted.ttft_ms.p90),
+        "predicted_p90_tpot_ms": _nan_to_none(predicted.tpot_ms.p90),
+    }
+
+
+def parse_profile_overrides(items: Sequence[str]) -> dict[str, Profile]:
+    """``LAYOUT=PROFILE.json`` items -> the profile that predicts each layout's runs."""
+    out = {}
+    for item in items:
+        layout, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r}: expected LAYOUT=PROFILE.json")
+        out[str(parse_layout(layout))] = Profile.load(path)
+    return out
+
+
 # -- command line ------------------------------------------------------------------------------------
 def register(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
@@ -297,6 +323,13 @@ def register(bench: argparse._SubParsersAction) -> None:
     r = bench.add_parser("fidelity-report", help="the table and errors of bench fidelity runs")
     r.add_argument("runs", nargs="+", help="--output-jsonl files of baton bench fidelity")
     r.add_argument("--json", action="store_true", help="print the error summary as JSON")
+    r.add_argument(
+        "--profile",
+        nargs="+",
+        default=[],
+        metavar="LAYOUT=PROFILE.json",
+        help="predict LAYOUT's runs again with this profile (the same requests, simulated anew)",
+    )
     r.set_defaults(func=cmd_fidelity_report)
 
 
@@ -343,5 +376,11 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 
 def cmd_fidelity_report(a: argparse.Namespace) -> int:
     runs = load_runs(a.runs)
+    try:
+        profiles = parse_profile_overrides(a.profile)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: baton bench fidelity-report: {e}", file=sys.stderr)
+        return 2
+    runs = [repredict(r, profiles[r["layout"]]) if r["layout"] in profiles else r for r in runs]
     print(json.dumps(errors(runs)) if a.json else format_report(runs))
     return 0

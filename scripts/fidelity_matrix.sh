@@ -3,9 +3,12 @@
 # each layout's predicted capacity x {Poisson, Gamma CV 2} x 2 length mixes, each a real `baton up`
 # run beside the simulator's prediction of the same requests (`baton bench fidelity`).
 #
-# A layout of one worker runs on every core and is predicted by a profile taken on every core; a
-# layout of two workers (one core each, as `baton up --layout` pins them) by a profile taken on one
-# core. Profiles are taken first where OUT has none. Run it on a quiet machine: nothing else may run.
+# A layout of one worker runs on every core and is predicted from a profile taken on every core; a
+# layout of two workers (one core each, as `baton up --layout` pins them) from a profile taken on one
+# core. Each layout's prediction uses its served profile: that engine profile calibrated through the
+# real layout (`baton bench served-profile`, a trace of its own, none of the runs below). Profiles
+# are taken first where OUT has none. Run it on a quiet machine: nothing else may run (a test suite
+# beside it made served steps 5-10x slower here).
 #
 #   scripts/fidelity_matrix.sh OUT [WINDOW_S]
 set -euo pipefail
@@ -24,8 +27,13 @@ last=$(($(nproc) - 1))
 for layout in colocated 1p1d colocated:2; do
   profile=$out/profile-one-core.json
   [ "$layout" = colocated ] && profile=$out/profile-all-cores.json
-  "$baton" bench fidelity --profile "$profile" --layout "$layout" --mix "${mixes[@]}" \
+  served=$out/served-${layout/:/-}.json
+  [ -f "$served" ] || "$baton" bench served-profile --profile "$profile" --layout "$layout" --output "$served"
+  "$baton" bench fidelity --profile "$served" --layout "$layout" --mix "${mixes[@]}" \
     --loads 0.3,0.6,0.9,1.2 --arrivals poisson,gamma:2 --window "$window" --slo "${slo[@]}" \
     --output-jsonl "$out/runs.jsonl"
 done
 "$baton" bench fidelity-report "$out/runs.jsonl" | tee "$out/report.md"
+# the same runs predicted from the engine profiles alone, for comparison
+"$baton" bench fidelity-report "$out/runs.jsonl" --profile colocated="$out/profile-all-cores.json" \
+  1p1d="$out/profile-one-core.json" colocated:2="$out/profile-one-core.json" | tee "$out/report-engine-profile.md"
