@@ -4,11 +4,12 @@
 
 It starts ``baton up --layout L``, replays the calibration trace (``planner/served.py``: prompts
 alone, batches of 1-16 streams, prompts during a batch's decoding, a steady Poisson stream; about
-a minute and a half) with ``bench
-serve``'s trace replay, fits the served path's two factors by simulating the same trace, and writes
-``P`` with them folded in (``served`` says which layout, the factors, the fit's error against the
-engine profile's, and every calibration request as sent and measured). ``baton simulate``, ``plan``
-and ``bench fidelity`` read the result like any profile; it holds for the layout it was taken on.
+a minute and a half) with ``bench serve``'s trace replay, fits the served path's four factors by
+simulating the same trace, and writes ``P`` with them folded in (``served`` says which layout, the
+factors, the fit's error against the engine profile's, and every calibration request as sent and
+measured). ``baton simulate``, ``plan`` and ``bench fidelity`` read the result like any profile; it
+holds for the layout it was taken on.
+``--refit S.json`` fits again on the calibration ``S`` recorded (a changed model, no new run).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", required=True, help="the `baton profile` JSON of the layout's workers")
     p.add_argument("--layout", required=True, help="colocated[:N] or <N>p<M>d, as baton up --layout")
     p.add_argument("--output", required=True, help="where the served profile is written")
+    p.add_argument(
+        "--refit",
+        default=None,
+        metavar="SERVED.json",
+        help="fit again on the calibration this served profile recorded (no cluster started)",
+    )
     p.add_argument("up_args", nargs=argparse.REMAINDER, help="-- then further flags for baton up")
     p.set_defaults(func=cmd_served_profile)
 
@@ -68,21 +75,31 @@ def cmd_served_profile(a: argparse.Namespace) -> int:
     if profile.served:
         print("error: baton bench served-profile: --profile is a served profile already", file=sys.stderr)
         return 2
-    rows = calibration_trace(profile, layout)
-    print(f"{layout}: {len(rows)} calibration requests over {rows[-1][0]:.0f} s", flush=True)
     up_args = tuple(x for x in a.up_args if x != "--")
-    with tempfile.TemporaryDirectory(prefix="baton-served-") as logs:
-        proc, port = start_cluster(("--layout", a.layout, *up_args), Path(logs), 900.0)
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+    if a.refit:
         try:
-            ttft, tpot, raw = measure(f"http://127.0.0.1:{port}", rows)
-        finally:
-            stop_cluster(proc)
-    if raw["failed"]:
-        print(f"error: {raw['failed']} calibration requests failed: {raw['errors']}", file=sys.stderr)
-        return 1
+            recorded = Profile.load(a.refit).served
+            cal = recorded["calibration"]
+            rows, ttft, tpot = [tuple(r) for r in cal["rows"]], cal["ttft_ms"], cal["tpot_ms"]
+            up_args = tuple(recorded.get("up_args", ()))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: baton bench served-profile: --refit {a.refit}: {e}", file=sys.stderr)
+            return 2
+    else:
+        rows = calibration_trace(profile, layout)
+        print(f"{layout}: {len(rows)} calibration requests over {rows[-1][0]:.0f} s", flush=True)
+        with tempfile.TemporaryDirectory(prefix="baton-served-") as logs:
+            proc, port = start_cluster(("--layout", a.layout, *up_args), Path(logs), 900.0)
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+            try:
+                ttft, tpot, raw = measure(f"http://127.0.0.1:{port}", rows)
+            finally:
+                stop_cluster(proc)
+        if raw["failed"]:
+            print(f"error: {raw['failed']} calibration requests failed: {raw['errors']}", file=sys.stderr)
+            return 1
     fit = fit_served(profile, layout, rows, ttft, tpot)
-    out = served_profile(profile, fit.prefill_scale, fit.step_ms, fit.stream_ms)
+    out = served_profile(profile, fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale)
     out = dataclasses.replace(
         out,
         served={
@@ -94,7 +111,8 @@ def cmd_served_profile(a: argparse.Namespace) -> int:
     )
     out.save(a.output)
     print(
-        f"{layout}: prefill x{fit.prefill_scale:.2f}, decode +{fit.step_ms:.1f} ms a step and "
+        f"{layout}: prefill x{fit.prefill_scale:.2f} (x{fit.mixed_scale:.2f} more beside decodes), "
+        f"decode +{fit.step_ms:.1f} ms a step and "
         f"+{fit.stream_ms:.1f} ms a streamed token; "
         f"log error {fit.error:.3f} (engine profile alone {fit.engine_error:.3f}); wrote {a.output}"
     )

@@ -82,6 +82,9 @@ class Profile:
     points: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     """The measured points each model was fitted on: {"prefill": [{"tokens", "pairs", "ms"}],
     "decode": [{"batch", "context", "ms"}], "transfer.ucx": [{"tokens", "ms"}], ...}."""
+    mixed_prefill_scale: float = 1.0
+    """A prefill piece in a step that also decodes costs this times its cost alone (a served
+    profile's, fitted; 1 in an engine profile)."""
     served: dict = field(default_factory=dict)
     """Set in a served profile (``planner/served.py``): the layout it was calibrated on, its
     factors and the calibration's measurements; empty in an engine profile."""
@@ -117,6 +120,7 @@ class Profile:
             gateway_ms=float(d["gateway_ms"]),
             taken_at=d["taken_at"],
             points=d.get("points", {}),
+            mixed_prefill_scale=float(d.get("mixed_prefill_scale", 1.0)),
             served=d.get("served", {}),
         )
 

@@ -7,7 +7,7 @@ engine's steps; and a prompt's first token also waits for the gateway and, disag
 hand-off. Measured on 2 cores, served TPOT was 1.1-1.3x the engine profile's at low load and up to
 1.7x past capacity, and the simulator was optimistic near capacity by as much.
 
-So a layout's **served profile** is its engine profile with two factors fitted on a calibration
+So a layout's **served profile** is its engine profile with four factors fitted on a calibration
 trace replayed through the real layout (``bench/served_profile.py``) and simulated beside it:
 
 - ``step_ms``: ms each decode step costs more, whatever its batch (the decode model's fixed
@@ -15,23 +15,26 @@ trace replayed through the real layout (``bench/served_profile.py``) and simulat
 - ``stream_ms``: CPU ms each streamed token costs the decoding worker's step (the decode model's
   per-sequence coefficient grows by it: a step of ``B`` sequences pays ``B * stream_ms`` more);
 - ``prefill_scale``: the prefill model's costs times this (the prompt's path through the served
-  layout against the engine alone).
+  layout against the engine alone);
+- ``mixed_scale``: a prefill piece in a step that also decodes costs this much more again
+  (``Profile.mixed_prefill_scale``). On 2 cores a prompt prefilled alone took what the engine
+  profile says (within 3% from 128 to 1,536 tokens) and one beside a decoding batch 15-23% more.
 
 The calibration trace (``calibration_trace``) is built to tell them apart and is none of the runs
 a prediction is later checked on: prompts alone (prefill), batches of streams started together
 (decode at batch 1-16), prompts arriving while a batch decodes (the two at once), and a steady
 Poisson stream of 256 -> 128-token requests at 60% of the layout's simulated throughput (the
-mixed steps of continuous batching). The fit (``fit_served``) alternates a grid search of the two
-decode terms together (they trade against each other) with one of the prefill factor, minimizing
-the squared log error of every request's TTFT and TPOT, the simulator replaying the same trace for
-each candidate. Requests sent together are told apart by order
-only: within each group of equal lengths sent within ``GROUP_S``, predicted and measured values
+mixed steps of continuous batching). The fit (``fit_served``) searches the four on grids, coarse
+then fine, minimizing the squared log error of every request's TTFT and TPOT, the simulator
+replaying the same trace for each candidate. Requests sent together are told
+apart by order only: within each group of equal lengths sent within ``GROUP_S``, predicted and measured values
 are paired in sorted order (the client's start order is not the trace's at a millisecond).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -49,6 +52,8 @@ Row = tuple[float, int, int]
 PREFILL_SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(25))  # 0.80 .. 2.00
 STEP_MS = tuple(round(0.5 * i, 1) for i in range(21))  # 0 .. 10 ms a step
 STREAM_MS = tuple(round(0.1 * i, 1) for i in range(31))  # 0 .. 3 ms a token
+COARSE = ((0.9, 1.0, 1.1, 1.2, 1.35, 1.5), 2, 3)
+"""The coarse search: these prefill (and mixed) scales, every 2nd step cost, every 3rd token cost."""
 GAP_S = 1.0
 """Idle seconds between the trace's segments, on top of each segment's predicted length."""
 GROUP_S = 0.1
@@ -67,21 +72,26 @@ class Served:
     prefill_scale: float
     step_ms: float
     stream_ms: float
+    mixed_scale: float
     error: float
     """The fit's root mean squared log error over TTFTs and TPOTs (0.1: about 10%)."""
     engine_error: float
-    """The same error with the engine profile alone (factors 1 and 0)."""
+    """The same error with the engine profile alone (scales 1, costs 0)."""
     requests: int
 
 
-def served_profile(profile: Profile, prefill_scale: float, step_ms: float, stream_ms: float) -> Profile:
-    """``profile`` with the prefill model times ``prefill_scale``, and each decode step costing
-    ``step_ms`` more and ``stream_ms`` more a sequence."""
+def served_profile(
+    profile: Profile, prefill_scale: float, step_ms: float, stream_ms: float, mixed_scale: float = 1.0
+) -> Profile:
+    """``profile`` with the prefill model times ``prefill_scale`` (and a piece beside a decode
+    batch times ``mixed_scale`` again), and each decode step costing ``step_ms`` more and
+    ``stream_ms`` more a sequence."""
     p, d = profile.prefill, profile.decode
     return dataclasses.replace(
         profile,
         prefill=Linear(p.a * prefill_scale, p.b * prefill_scale, p.c * prefill_scale),
         decode=Linear(d.a + step_ms, d.b + stream_ms, d.c),
+        mixed_prefill_scale=profile.mixed_prefill_scale * mixed_scale,
     )
 
 
@@ -189,51 +199,61 @@ def fit_served(
     tpot_ms: Sequence[float | None],
 ) -> Served:
     """The factors whose simulation of ``rows`` comes closest to the measured TTFTs and TPOTs
-    (None: the request failed, or had one output token). From (1, 0, 0): the decode terms over
-    their grid, the prefill factor over its own, then a descent to the best of the 26 neighbours
-    on the three grids (the factors trade against each other), until nothing moves."""
+    (None: the request failed, or had one output token). The four trade against each other along
+    ridges a local search stalls on, so first a coarse search of them all (``COARSE``: every pair
+    of prefill scales, the best decode costs of a coarse grid for each), then, from the best three
+    coarse points, the decode costs on their fine grid around the point, each prefill scale on its
+    own, and a descent to the best of the 80 neighbours on the four fine grids, until nothing
+    moves. Ties go to the smaller change from the engine profile."""
     if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
         raise ValueError("one measured TTFT and TPOT per row of the trace")
-    cache: dict[tuple[float, float, float], float] = {}
+    grids = (PREFILL_SCALES, STEP_MS, STREAM_MS, PREFILL_SCALES)  # the last: mixed_scale
+    one = PREFILL_SCALES.index(1.0)
+    engine = (one, 0, 0, one)
+    cache: dict[tuple[int, ...], float] = {}
 
-    def err(scale: float, step: float, stream: float) -> float:
-        key = (scale, step, stream)
+    def value(ix: Sequence[int]) -> float:
+        key = tuple(ix)
         if key not in cache:
-            pred = predicted(served_profile(profile, *key), layout, rows)
+            pred = predicted(served_profile(profile, *(g[i] for g, i in zip(grids, key))), layout, rows)
             cache[key] = log_error(rows, pred, ttft_ms, tpot_ms)
         return cache[key]
 
-    grids = (PREFILL_SCALES, STEP_MS, STREAM_MS)
-    decode = [(a, b) for a in STEP_MS for b in STREAM_MS]
-    at = [grids[0].index(1.0), 0, 0]
+    def prefer(ix: Sequence[int]) -> tuple:
+        return (value(ix), sum(abs(i - j) for i, j in zip(ix, engine)))
 
-    def value(ix: Sequence[int]) -> float:
-        return err(*(g[i] for g, i in zip(grids, ix)))
+    def decode_costs(at: list[int], steps: Sequence[int], streams: Sequence[int]) -> list[int]:
+        best = min(([a, b] for a in steps for b in streams), key=lambda d: prefer([at[0], *d, at[3]]))
+        return [at[0], *best, at[3]]
 
-    for _ in range(6):
-        before = list(at)
-        step, stream = min(decode, key=lambda d: (err(grids[0][at[0]], *d), d))
-        at[1:] = [STEP_MS.index(step), STREAM_MS.index(stream)]
-        at[0] = min(
-            range(len(PREFILL_SCALES)), key=lambda k: (value([k, *at[1:]]), abs(PREFILL_SCALES[k] - 1))
-        )
-        # then every neighbour on the grid, diagonals too (the factors trade against each other)
-        while True:
-            near = [
-                [i + d for i, d in zip(at, (d0, d1, d2))]
-                for d0 in (-1, 0, 1)
-                for d1 in (-1, 0, 1)
-                for d2 in (-1, 0, 1)
-            ]
-            near = [ix for ix in near if all(0 <= i < len(g) for i, g in zip(ix, grids))]
-            best = min(near, key=lambda ix: (value(ix), ix != at))
-            if best == at:
+    scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
+    coarse_steps, coarse_streams = range(0, len(STEP_MS), COARSE[1]), range(0, len(STREAM_MS), COARSE[2])
+    starts = sorted(
+        (decode_costs([k, 0, 0, m], coarse_steps, coarse_streams) for k in scales for m in scales),
+        key=prefer,
+    )[:3]
+    found = []
+    for at in starts:
+        for _ in range(6):
+            before = list(at)
+            near_steps = range(max(0, at[1] - COARSE[1]), min(len(STEP_MS), at[1] + COARSE[1] + 1))
+            near_streams = range(max(0, at[2] - COARSE[2]), min(len(STREAM_MS), at[2] + COARSE[2] + 1))
+            at = decode_costs(at, near_steps, near_streams)
+            at[0] = min(range(len(PREFILL_SCALES)), key=lambda k: prefer([k, *at[1:]]))
+            at[3] = min(range(len(PREFILL_SCALES)), key=lambda k: prefer([*at[:3], k]))
+            while True:
+                near = [[i + d for i, d in zip(at, ds)] for ds in itertools.product((-1, 0, 1), repeat=4)]
+                near = [ix for ix in near if all(0 <= i < len(g) for i, g in zip(ix, grids))]
+                best = min(near, key=lambda ix: (value(ix), ix != at))
+                if best == at:
+                    break
+                at = best
+            if at == before:
                 break
-            at = best
-        if at == before:
-            break
-    scale, step, stream = (g[i] for g, i in zip(grids, at))
-    return Served(str(layout), scale, step, stream, err(scale, step, stream), err(1.0, 0.0, 0.0), len(rows))
+        found.append(at)
+    at = min(found, key=prefer)
+    scale, step, stream, mixed = (g[i] for g, i in zip(grids, at))
+    return Served(str(layout), scale, step, stream, mixed, value(at), value(engine), len(rows))
 
 
 def _simulator(profile: Profile, layout: Layout, rows: Sequence[Row]) -> Simulator:

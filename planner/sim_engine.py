@@ -19,7 +19,8 @@ cut at the step boundary after anything arrives. Only a block shortage walks the
 
 Costs: a decode-only step is ``decode_ms(B, C)``, a prefill-only step ``prefill_ms(pieces)``, and a
 mixed step (colocated, or a decode worker prefilling a short prompt or a recompute) is their sum
-less the smaller fixed cost ``a`` (one forward pass pays its fixed overhead once).
+less the smaller fixed cost ``a`` (one forward pass pays its fixed overhead once), the prefill part
+times the profile's ``mixed_prefill_scale`` (a served profile's; 1 in an engine profile).
 
 Left out: prefix caching (every prompt is computed whole), the final-block extra token
 (``cache_final_block``), speculative decoding, and a budget smaller than the decode batch (every
@@ -330,7 +331,7 @@ class Engine:
         if not pieces:
             return dec
         pre = self.profile.prefill_ms([(num, seq.done) for seq, num in pieces])
-        return pre + dec - self.shared_a if self.batch else pre
+        return pre * self.profile.mixed_prefill_scale + dec - self.shared_a if self.batch else pre
 
     def check_integrity(self) -> None:
         """Raise if the books disagree: every block is free or held by a request here, and the

@@ -30,6 +30,7 @@ def _profile() -> Profile:
 
 
 def test_the_served_profile_adds_the_decode_terms_and_scales_prefill():
+    assert served_profile(_profile(), 1.0, 0.0, 0.0, 1.2).mixed_prefill_scale == 1.2
     p = served_profile(_profile(), 1.5, 3.0, 0.5)
     assert (p.prefill.a, p.prefill.b, p.prefill.c) == pytest.approx((30.0, 0.6, 3e-5))
     assert (p.decode.a, p.decode.b, p.decode.c) == pytest.approx((13.0, 1.1, 0.002))
@@ -49,16 +50,33 @@ def test_the_calibration_segments_do_not_overlap(layout):
     assert ttft[0] < ttft[1] < ttft[2] < ttft[3]
 
 
-@pytest.mark.parametrize("layout", ["colocated", "1p1d", "colocated:2"])
-@pytest.mark.parametrize("factors", [(1.0, 0.0, 0.0), (1.25, 3.0, 0.5), (0.9, 1.5, 1.2)])
+@pytest.mark.parametrize(
+    "layout, factors",
+    [
+        ("colocated", (1.25, 3.0, 0.5, 1.0)),
+        ("colocated:2", (0.9, 1.5, 1.2, 1.3)),
+        ("1p1d", (1.1, 2.0, 0.3, 1.0)),
+    ],
+)
 def test_the_fit_recovers_the_factors_the_measurements_were_made_with(layout, factors):
     profile, lay = _profile(), parse_layout(layout)
     rows = calibration_trace(profile, lay)
     ttft, tpot = predicted(served_profile(profile, *factors), lay, rows)
     fit = fit_served(profile, lay, rows, ttft, tpot)
-    assert (fit.prefill_scale, fit.step_ms, fit.stream_ms) == pytest.approx(factors)
+    assert (fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale) == pytest.approx(factors)
     assert fit.error == pytest.approx(0.0, abs=1e-9)
-    assert fit.engine_error > 0 or factors == (1.0, 0.0, 0.0)
+    assert fit.engine_error > 0.01
+
+
+def test_a_mixed_step_never_seen_keeps_the_engine_profiles_scale():
+    # 1p1d's prefill worker never decodes, and no calibration prompt is short enough for its decode
+    # worker to prefill: nothing tells the mixed scale, and the fit keeps the engine's 1
+    profile, lay = _profile(), parse_layout("1p1d")
+    rows = calibration_trace(profile, lay)
+    ttft, tpot = predicted(served_profile(profile, 1.0, 0.0, 0.0, 1.4), lay, rows)
+    fit = fit_served(profile, lay, rows, ttft, tpot)
+    assert (fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale) == (1.0, 0.0, 0.0, 1.0)
+    assert fit.error == fit.engine_error == 0.0
 
 
 def test_requests_sent_together_are_paired_in_sorted_order():
