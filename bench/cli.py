@@ -15,6 +15,7 @@ def register(subparsers) -> None:
         accuracy,
         autoscale_emulated,
         breakdown,
+        decisions,
         fidelity,
         gateway,
         goodput,
@@ -39,6 +40,7 @@ def register(subparsers) -> None:
         roofline,
         fidelity,
         served_profile,
+        decisions,
         autoscale_emulated,
     ):
         module.register(bench)

@@ -115,10 +115,14 @@ class Run:
 
 
 # -- predictions -------------------------------------------------------------------------------------
-def predicted_capacity(profile: Profile, layout: Layout, mix: Mix, slo: SLO, seed: int) -> float:
-    """The highest Poisson rate at which ``layout`` meets the SLO for 90% of requests (simulated)."""
+def predicted_capacity(
+    profile: Profile, layout: Layout, mix: Mix, slo: SLO, seed: int, arrival: str = "poisson"
+) -> float:
+    """The highest rate of ``arrival`` (``poisson`` or ``gamma:CV``) at which ``layout`` meets the
+    SLO for 90% of requests (simulated)."""
+    kind, cv = parse_arrival(arrival)
     ceiling = 4.0 * max(closed_form_capacity(profile, layout, mix, slo), 0.05)
-    workload = Workload(ceiling, CAPACITY_PROMPTS, mix.input_len, mix.output_len)
+    workload = Workload(ceiling, CAPACITY_PROMPTS, mix.input_len, mix.output_len, kind, cv)
     search = Search(profile, workload, slo, ATTAINMENT_TARGET, seed)
     best = max_rate(search, layout, profile.engine.max_num_batched_tokens)
     return best.rate if best.attainment >= ATTAINMENT_TARGET else 0.0

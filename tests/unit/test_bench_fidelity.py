@@ -12,14 +12,17 @@ from baton.bench.fidelity import (
     format_report,
     parse_arrival,
     parse_mix,
+    parse_profile_overrides,
     predicted_capacity,
+    repredict,
     run_seed,
 )
 from baton.planner.layout import parse_layout
 from baton.planner.profile import Profile
+from baton.planner.served import served_profile
 from baton.planner.sim_result import SLO
 from baton.planner.simulate import simulate
-from baton.planner.workload import Workload
+from baton.planner.workload import Workload, draw
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs/bench/profiles/zen4-avx512bf16-bf16.json"
 
@@ -85,3 +88,32 @@ def test_every_scenario_sends_prompts_of_its_own():
     seeds.add(run_seed(parse_layout("colocated"), mix, "poisson", 0.3, 0))
     assert len(seeds) == 5
     assert run_seed(layout, mix, "poisson", 0.3, 0) == run_seed(layout, mix, "poisson", 0.3, 0)
+
+
+def test_a_run_is_predicted_again_from_another_profile_on_its_own_requests(tmp_path):
+    profile, slo = Profile.load(PROFILE), SLO(2000.0, 100.0)
+    w = Workload(3.0, 40, parse_mix("256/64").input_len, parse_mix("256/64").output_len)
+    r = draw(w, seed=1)
+    t0 = r.arrival_s[0]
+    rows = [(t - t0, i, o) for t, i, o in zip(r.arrival_s, r.input_len, r.output_len)]
+    first = simulate(profile, "colocated", Workload(trace=tuple(rows), num_prompts=0), slo)
+    run = dict(
+        _run(first.slo_attainment, 0.9, 1.0, (first.ttft_ms.p90, 300.0), (first.tpot_ms.p90, 40.0)),
+        layout="colocated:1", slo={"ttft": 2000.0, "tpot": 100.0},
+        requests={"arrival_s": [x[0] for x in rows], "input_len": [x[1] for x in rows],
+                  "output_len": [x[2] for x in rows]},
+    )  # fmt: skip
+    same = repredict(run, profile)
+    assert same["predicted_p90_ttft_ms"] == pytest.approx(run["predicted_p90_ttft_ms"])
+    assert same["predicted_attainment"] == run["predicted_attainment"]
+    # a slower served path: later first tokens and slower tokens, the measured values untouched
+    slower = served_profile(profile, 1.5, 5.0, 1.0)
+    (tmp_path / "served.json").write_text(slower.to_json())
+    overrides = parse_profile_overrides([f"colocated={tmp_path / 'served.json'}"])
+    assert list(overrides) == ["colocated:1"]
+    again = repredict(run, overrides["colocated:1"])
+    assert again["predicted_p90_ttft_ms"] > run["predicted_p90_ttft_ms"]
+    assert again["predicted_p90_tpot_ms"] > run["predicted_p90_tpot_ms"]
+    assert again["measured_p90_ttft_ms"] == 300.0
+    with pytest.raises(ValueError, match="LAYOUT=PROFILE"):
+        parse_profile_overrides(["colocated"])
