@@ -106,6 +106,8 @@ class Autoscaler:
         self.load_pools = ("colocated", "colocated") if colocated else ("prefill", "decode")
         self.correction: tuple[float, float] = (1.0, 1.0)
         """The (prefill, decode) factors of the last decision, at its desired counts."""
+        self.level = 0.0
+        """The smoothed arrival rate after the last decision (the reversal guard's load)."""
         window = max(cfg.stable_intervals, math.ceil(cfg.cooldown_s / cfg.interval_s))
         self.state = {
             p: _PoolState(deque(maxlen=cfg.stable_intervals), deque(maxlen=window)) for p in self.pools
@@ -121,6 +123,7 @@ class Autoscaler:
         rate = obs.arrivals / obs.interval_s
         level = self.rate.level
         self.rate.update(rate)  # a surge's shorter interval counts as one: its rate is no less real
+        self.level = self.rate.level if self.rate.level is not None else rate
         if obs.arrivals:
             self.input_len.update(obs.input_len)
             self.output_len.update(obs.output_len)
@@ -362,7 +365,7 @@ class Autoscaler:
         if desired != current:
             st.last_change_s, st.last_direction = obs.t_s, (1 if desired > current else -1)
         if desired > current:
-            st.raised_from[current] = (obs.t_s, demand)
+            st.raised_from[current] = (obs.t_s, self.level)
         return PoolDecision(pool, current, needed, desired, tuple(reasons))
 
     def _urgent(self, pool: str, obs: Observation, demand: float, current: int) -> str:
@@ -383,18 +386,21 @@ class Autoscaler:
             return f"measured p90 TPOT {tpot:.0f} ms over the SLO"
         return ""
 
-    def _undoes_a_scale_up(self, st: _PoolState, target: int, demand: float, now: float) -> str:
-        """Why going down to ``target`` would undo a recent scale-up at the same load; ''."""
+    def _undoes_a_scale_up(self, st: _PoolState, target: int, level: float, now: float) -> str:
+        """Why going down to ``target`` would undo a recent scale-up at the same load; ''. The
+        load is the smoothed arrival rate (Holt's level), not the interval's rate or its backlog:
+        at 5 req/s an interval's rate alone wanders +-20% (61 arrivals in 10 s scaled prefill up
+        on a backlog, 47 a little later let it down, and the next surge up again)."""
         cfg = self.config
         for count, (when, then) in st.raised_from.items():
             if (
                 count >= target
                 and now - when < cfg.reversal_memory_s
-                and demand > then * (1 - cfg.reversal_margin)
+                and level > then * (1 - cfg.reversal_margin)
             ):
                 return (
-                    f"hold: scaled up from {count} {now - when:.0f} s ago at {then:.2f} req/s, "
-                    f"demand {demand:.2f} req/s has not fallen {cfg.reversal_margin:.0%} since"
+                    f"hold: scaled up from {count} {now - when:.0f} s ago at a load of {then:.2f} req/s, "
+                    f"now {level:.2f} req/s: not {cfg.reversal_margin:.0%} less"
                 )
         return ""
 
@@ -427,7 +433,7 @@ class Autoscaler:
             util = demand / ((current - 1) * per_replica)
             return current, f"hold: {current - 1} would run at {util:.0%} (headroom {cfg.headroom:.0%})"
         floor = max(max(st.needed), fits)
-        if held := self._undoes_a_scale_up(st, floor, demand, now):
+        if held := self._undoes_a_scale_up(st, floor, self.level, now):
             return current, held
         busy = demand / (floor * self._per_replica(pool, floor, demand))
         return floor, f"down: lower for {cfg.stable_intervals} intervals, {busy:.0%} busy"

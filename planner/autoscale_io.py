@@ -30,8 +30,8 @@ class AutoscaleConfig:
     cooldown_s: float = 60.0
     """No scale-down this soon after a pool's last change; no forecast-only reversal either."""
     reversal_memory_s: float = 600.0
-    """A pool scaled up from N does not go back down to N for this long unless its demand fell by
-    ``reversal_margin`` since: at constant load the observed/expected correction measured at N+1
+    """A pool scaled up from N does not go back down to N for this long unless its load (the
+    smoothed arrival rate) fell by ``reversal_margin`` since: at constant load the observed/expected correction measured at N+1
     says N is enough and the one measured at N says it is not (emulated workers on 2 cores went
     3 -> 4 -> 3 six times in 10 minutes), so only a change of load may undo a scale-up."""
     reversal_margin: float = 0.2
