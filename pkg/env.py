@@ -42,7 +42,9 @@ CACHE_DIR = Var(
 )
 KERNEL_CACHE = Var("BATON_KERNEL_CACHE", "where the built CPU kernels live", "~/.cache/baton/kernels")
 KERNEL_ISA = Var("BATON_KERNEL_ISA", "the x86 level of the CPU kernels to load (avx2, avx512bf16, amx...)")
-BF16_GEMM = Var("BATON_BF16_GEMM", "bf16 weights' GEMM: auto, baton (ours) or onednn", "auto")
+BF16_GEMM = Var(
+    "BATON_BF16_GEMM", "bf16 weights' GEMM: auto (ours where AVX512-BF16 built it), baton or onednn", "auto"
+)
 API_KEY = Var("BATON_API_KEY", "the API keys the gateway asks for (comma-separated)")
 REDIS_USERNAME = Var("BATON_REDIS_USERNAME", "the Redis ACL user a service logs in as")
 REDIS_PASSWORD = Var("BATON_REDIS_PASSWORD", "Redis's password (or BATON_REDIS_PASSWORD_FILE)")

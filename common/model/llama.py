@@ -69,8 +69,9 @@ class OneDNNWeight(PackedWeight):
 
 
 class Bf16GemmWeight(PackedWeight):
-    """Baton's AVX512-BF16 layout (``cpu_ops.bf16_gemm``): on a 2-core Zen 4 EPYC it streams a
-    decode step's weights 1.3-2.3x faster than oneDNN (1-16 rows) and equals it from 64 rows."""
+    """Baton's AVX512-BF16 layout (``cpu_ops.bf16_gemm``; AMX tiles read it too): on a 2-core Zen 4
+    EPYC it streams a decode step's weights 1.3-2.3x faster than oneDNN (1-16 rows) and equals it
+    from 64 rows; on a 2-core Xeon with AMX 1.4-1.5x faster (1-64 rows) and equal from 256."""
 
     def __init__(self, weight: torch.Tensor):
         from baton.kernels import cpu_ops
@@ -91,19 +92,18 @@ class Bf16GemmWeight(PackedWeight):
 
 
 def own_bf16_gemm() -> bool:
-    """Whether bf16 weights go to Baton's kernel rather than oneDNN: where it was compiled in
-    (AVX512-BF16) and the CPU has no AMX-BF16, on which oneDNN's tiles are faster (an AVX512-BF16
-    kernel of ours read the weights slower than oneDNN on an Intel Xeon with AMX).
-    ``BATON_BF16_GEMM=onednn`` keeps oneDNN anyway (to compare the two); ``baton`` forces ours
+    """Whether bf16 weights go to Baton's kernel rather than oneDNN: wherever it was compiled in
+    (AVX512-BF16; on a CPU with AMX-BF16 it runs the same packed weights on the tiles). It reads a
+    decode step's weights at ~29-30 GB/s where oneDNN's small-M products read ~13-20 (Zen 4; a Xeon
+    with AMX) and ties with oneDNN from 64-256 rows (``kernels/cpu/bf16_gemm.cpp``).
+    ``BATON_BF16_GEMM=onednn`` keeps oneDNN anyway (to compare the two); ``baton`` is the default
     where it was compiled in."""
     from baton.kernels import cpu_ops
 
     choice = BF16_GEMM.get()
     if choice not in ("auto", "baton", "onednn"):
         raise ValueError(f"{BF16_GEMM.name} must be auto, baton or onednn, not {choice!r}")
-    if choice == "onednn" or not cpu_ops.bf16_gemm_available():
-        return False
-    return choice == "baton" or not cpu_ops.has_amx_bf16()
+    return choice != "onednn" and cpu_ops.bf16_gemm_available()
 
 
 def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:

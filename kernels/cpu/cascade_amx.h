@@ -4,15 +4,13 @@
 
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_common.h"
 #include "cascade_shared.h"
 
 namespace {
@@ -29,32 +27,6 @@ namespace {
 // 5 and 7 the queries (dims 0-31, 32-63), 6 the K or V operand. The softmax runs on AVX-512
 // exactly as in prefill_loop.h's PrefillLoop::rows (lazy base-2 reference point; the rare rescale
 // moves the output through memory).
-
-// Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 struct SharedAmx {
   using S = Shared<c10::BFloat16, 64, true, true>;

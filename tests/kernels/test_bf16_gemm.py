@@ -23,9 +23,24 @@ HAS_AVX512_BF16 = "avx512_bf16" in _cpu_flags()
 
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
 # (M, N, K): one row; a row tile (6) and a ragged one; SmolLM2's qkv and down shapes at a decode
-# batch; N not a multiple of 16 nor of a column tile; the LM head's width.
+# batch; N not a multiple of 16 nor of a column tile; the LM head's width. From 16 rows with K a
+# multiple of 32 the AMX tiles run where the build has them: one row tile, a ragged pair, an odd
+# column block, a prefill chunk's down projection; (20, 48, 40) stays on vdpbf16ps (K).
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 64, 64), (6, 70, 96), (13, 960, 576), (9, 576, 1536), (3, 33, 2), (2, 49152, 576)]
+    "m,n,k",
+    [
+        (1, 64, 64),
+        (6, 70, 96),
+        (13, 960, 576),
+        (9, 576, 1536),
+        (3, 33, 2),
+        (2, 49152, 576),
+        (16, 32, 32),
+        (37, 70, 96),
+        (50, 48, 64),
+        (128, 576, 1536),
+        (20, 48, 40),
+    ],
 )
 def test_bf16_gemm_is_the_exact_product_rounded_once(m, n, k):
     from baton.kernels import cpu_ops
@@ -60,12 +75,14 @@ def test_bf16_gemm_refuses_bad_inputs():
         cpu_ops.bf16_gemm(torch.randn(2, 8), packed, torch.empty(2, 20, dtype=torch.bfloat16))
 
 
-def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_but_no_amx():
+def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_amx_or_not(monkeypatch):
     from baton.common.model.llama import Bf16GemmWeight, Linear, OneDNNWeight, own_bf16_gemm
 
-    flags = _cpu_flags()
-    expected = "avx512_bf16" in flags and "amx_bf16" not in flags
+    expected = "avx512_bf16" in _cpu_flags()
     assert own_bf16_gemm() == expected
+    monkeypatch.setenv("BATON_BF16_GEMM", "onednn")
+    assert not own_bf16_gemm()
+    monkeypatch.delenv("BATON_BF16_GEMM")
 
     torch.manual_seed(0)
     linear = Linear(576, 960).to(torch.bfloat16)
