@@ -151,12 +151,22 @@ class _Attempts:
     again. Each try is a migration."""
     refused: APIError | None = None
     """The last "queue full" answer, if every worker is full."""
+    redialed: set[str] = field(default_factory=set)
+    """Workers unreachable before the first token, whose channel was replaced (``Router.redial``):
+    with no other worker left, each is tried once more on its new channel. The old one may have
+    answered from its reconnect backoff, not from the worker there now."""
+    redial_pending: set[str] = field(default_factory=set)
 
     def none_left(self, e: NoWorkerError, progress: _Progress) -> None:
-        """No worker to pick: the reachable ones are let in again, or the client is told why."""
+        """No worker to pick: the reachable ones (or the redialed) are let in again, or the client
+        is told why."""
         if self.reachable:
             self.tried = [a for a in self.tried if a not in self.reachable]
             self.reachable.clear()
+            return
+        if self.redial_pending:
+            self.tried = [a for a in self.tried if a not in self.redial_pending]
+            self.redial_pending.clear()
             return
         if self.refused is not None:
             raise self.refused from None  # every worker tried is full: 429, not 503
@@ -324,6 +334,10 @@ class Dispatcher:
                     request_id,
                     failure.error.details() if isinstance(failure.error, grpc.aio.AioRpcError) else "",
                 )
+            if code == grpc.StatusCode.UNAVAILABLE and address not in attempts.redialed:
+                self._router.redial(address)
+                attempts.redialed.add(address)
+                attempts.redial_pending.add(address)
             if elsewhere and len(attempts.tried) < MAX_ATTEMPTS - 1:
                 self._router.forget(address)
                 attempts.tried.append(address)

@@ -68,6 +68,9 @@ class Router:
         ("grpc.keepalive_timeout_ms", 2000),
         ("grpc.http2.ping_timeout_ms", 2000),  # grpcio 1.85 enforces the ack wait only with this
         ("grpc.http2.max_pings_without_data", 0),
+        # Each channel its own connections: gRPC shares them between channels to one address by
+        # default, and a new channel (``redial``) would inherit the old one's reconnect backoff.
+        ("grpc.use_local_subchannel_pool", 1),
     )
 
     def __init__(
@@ -105,6 +108,7 @@ class Router:
         self._index_outage = OutageLog(log, "prefix index (gateway)")
         self._redis_pool: ThreadPoolExecutor | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._redialed: list[tuple[str, grpc.aio.Channel]] = []  # replaced, closed once unused
         self._in_flight: Counter[str] = Counter()
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
         self._last_read: list[WorkerInfo] = []  # what the latest successful registry read found
@@ -305,14 +309,29 @@ class Router:
             channel = self._channels[address] = tls_channel(address, self._tls, self.CHANNEL_OPTIONS)
         return channel
 
+    def redial(self, address: str) -> None:
+        """The next call to ``address`` on a new channel. A channel that failed to connect keeps
+        failing every call at once with that error for its reconnect backoff (seconds, growing), also
+        after a worker started again at the address: seen when a decode worker was stopped and
+        started on its host again, and the gateway's first request to it answered 503. The old
+        channel is closed once no call to the address is in flight."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._redialed.append((address, channel))
+
     async def _close_unused_channels(self, live: set[str]) -> None:
         for address in [a for a in self._channels if a not in live and not self._in_flight[a]]:
             await self._channels.pop(address).close()
+        unused = [(a, c) for a, c in self._redialed if not self._in_flight[a]]
+        self._redialed = [(a, c) for a, c in self._redialed if self._in_flight[a]]
+        for _, channel in unused:
+            await channel.close()
 
     async def close(self) -> None:
         if self._refresh is not None and not self._refresh.done():
             self._refresh.cancel()
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [*self._channels.values(), *(c for _, c in self._redialed)]
+        self._channels, self._redialed = {}, []
         for channel in channels:
             await channel.close()
         pool, self._redis_pool = self._redis_pool, None

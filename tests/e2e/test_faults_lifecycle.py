@@ -39,6 +39,7 @@ from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
 from baton.services.lifecycle import EX_SOFTWARE
 from baton.services.worker_base import serve_worker
+from tests.e2e.fault_cluster import serving
 from tests.e2e.fault_cluster import wait_for as _poll
 from tests.e2e.tiny_llama import write_tiny_llama
 from tests.e2e.up_process import start_up, stop_up
@@ -203,8 +204,10 @@ def _generate(stub, request_id: str, prompt: list[int], max_tokens: int, timeout
     return stub.Generate(request, timeout=timeout)
 
 
-def _start_decode(model: str, redis_url: str, worker_id: str, drain_s: float, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "baton.cli", "decode", "--model", model, *ENGINE_FLAGS]
+def _start_decode(
+    model: str, redis_url: str, worker_id: str, drain_s: float, log: Path, *extra: str
+) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "baton.cli", "decode", "--model", model, *ENGINE_FLAGS, *extra]
     cmd += [
         "--redis-url",
         redis_url,
@@ -268,6 +271,46 @@ def test_sigterm_drains_a_decode_worker(tiny_model, model_name, redis_url, regis
         print(f"decode SIGTERM: out of the registry in {left - signalled:.2f} s, exited 0 in {exited:.1f} s")
     finally:
         _stop(proc)
+
+
+def test_a_decode_worker_started_again_at_its_address_serves_the_first_request_after(
+    tiny_model, model_name, redis_url, registry, gateway, tmp_path
+):
+    """The only decode worker is killed and started again on the same port. Meanwhile the
+    gateway's requests fail to connect (503: no decode worker), and a gRPC channel that fails to
+    connect answers every call from its reconnect backoff (growing to seconds) with that error. The
+    first request once the new worker serves must not get the old refusal (seen on hosts: a 503
+    after a worker restarted on its host): the gateway dials the address anew and serves it."""
+    port = str(free_port())
+    body = _body(model_name, PROMPTS[2], 8, stream=False)
+    first = _start_decode(tiny_model, redis_url, "again-a", 1.0, tmp_path / "first.log", "--port", port)
+    second = None
+    try:
+        _poll(lambda: registry.get("again-a") or first.poll(), 120, "the decode worker to register")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        _poll(lambda: _answers(f"{gateway}/ready"), 30, "the gateway to see the worker")
+        want = _complete(gateway, body)
+        first.kill()
+        first.wait(10)
+        second = _start_decode(tiny_model, redis_url, "again-a", 1.0, tmp_path / "second.log", "--port", port)
+        refused = 0
+        deadline = time.monotonic() + 120
+        while not serving(f"127.0.0.1:{port}", timeout_s=0.2):  # calls that keep the channel failing
+            assert second.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "second.log"
+            ).read_text()
+            r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=30)
+            refused += r.status_code == 503
+            time.sleep(0.1)
+        assert refused > 0, "no request fell in the worker's absence"
+        r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        print(f"decode worker started again on its port: {refused} requests refused meanwhile, then served")
+    finally:
+        _stop(first)
+        if second is not None:
+            _stop(second)
 
 
 # -- in-process workers: the drain deadline, the engine's death ----------------------------------

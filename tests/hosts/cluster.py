@@ -241,7 +241,9 @@ class Cluster:
         r = httpx.post(
             f"{self.base}/v1/completions", json=body(prompt, max_tokens, False), timeout=120, trust_env=False
         )
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, (
+            r.text + "\n" + "\n".join(f"--- {n}:\n{sv.tail(4000)}" for n, sv in self.services.items())
+        )
         return r.json()
 
 
