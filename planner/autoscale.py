@@ -100,8 +100,9 @@ class Autoscaler:
         self.pools = COLOCATED_POOLS if colocated else DISAGGREGATED_POOLS
         self.rate = Holt(cfg.holt_alpha, cfg.holt_beta)
         self.input_len, self.output_len = Ewma(0.5), Ewma(0.5)
-        self.k_prefill = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing)
-        self.k_decode = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing)
+        age = cfg.correction_max_age_s
+        self.k_prefill = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing, age)
+        self.k_decode = LoadCorrection(cfg.correction_alpha, cfg.correction_spacing, age)
         # The pools whose per-replica load indexes the prefill and the decode factor.
         self.load_pools = ("colocated", "colocated") if colocated else ("prefill", "decode")
         self.correction: tuple[float, float] = (1.0, 1.0)
@@ -198,6 +199,8 @@ class Autoscaler:
 
     def _correct(self, obs: Observation, rate: float, level: float | None) -> str:
         cfg = self.config
+        for k in (self.k_prefill, self.k_decode):
+            k.expire(obs.t_s)
         why_not = self._unsteady(obs)
         noise = 2.0 * math.sqrt(max(obs.arrivals, 1)) / obs.interval_s
         if not why_not and level is not None and abs(rate - level) > noise:
@@ -219,7 +222,7 @@ class Autoscaler:
                 ratio = min(hi, max(lo, measured / expected))
                 ratio = 1.0 if abs(ratio - 1.0) <= cfg.correction_tolerance else ratio
                 load = rate / obs.pools[pool].ready  # steady: at least one ready
-                k.update(load, ratio)
+                k.update(load, ratio, obs.t_s)
                 parts.append(f"{name} {measured:.0f}/{expected:.0f} ms at {load:.2f} req/s a {pool} replica")
         return f"correction updated ({', '.join(parts) or 'no latency samples'})"
 

@@ -55,6 +55,9 @@ class AutoscaleConfig:
     """Weight of the newest observed/expected ratio (in its load bucket)."""
     correction_spacing: float = 1.25
     """Per-replica loads within this factor of each other share a correction bucket."""
+    correction_max_age_s: float = 1800.0
+    """A bucket not updated for this long is dropped: a ratio measured half an hour ago at another
+    load speaks of a machine (its neighbours, its clocks) and a length mix that may be gone."""
     correction_range: tuple[float, float] = (0.5, 4.0)
     correction_tolerance: float = 0.15
     """A ratio within ``1 +- this`` counts as 1: the simulator's own error at p90 (15%) is no

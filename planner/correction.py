@@ -7,7 +7,8 @@ multiplicative, so the ratio of measured to simulated p90 falls as a replica car
 measured at 3 replicas and applied at 6 asked for more replicas still. So the ratios are kept per
 log-spaced bucket of per-replica load (requests/s a replica), each an EWMA of the ratio and of the
 loads it was measured at; the factor at a load interpolates between the measured buckets (linear in
-log load), takes the nearest one outside them, and is 1.0 (the profile) with none.
+log load), takes the nearest one outside them, and is 1.0 (the profile) with none. A bucket not
+updated for ``max_age_s`` is forgotten (stale evidence: the host or the mix may have moved since).
 """
 
 from __future__ import annotations
@@ -22,21 +23,25 @@ from baton.planner.forecast import Ewma
 class _Bucket:
     load: Ewma
     ratio: Ewma
+    updated_s: float
 
 
 class LoadCorrection:
     """Observed/expected ratios by per-replica load; ``at(load)`` is the factor to use there."""
 
-    def __init__(self, alpha: float, spacing: float = 1.25):
+    def __init__(self, alpha: float, spacing: float = 1.25, max_age_s: float = math.inf):
         """``alpha``: weight of a bucket's newest ratio; ``spacing``: loads within this factor of
-        each other share a bucket."""
+        each other share a bucket; ``max_age_s``: a bucket not updated for this long is dropped."""
         if spacing <= 1.0:
             raise ValueError(f"the bucket spacing must be over 1, got {spacing}")
-        self.alpha, self.spacing = alpha, spacing
+        if max_age_s <= 0:
+            raise ValueError(f"the buckets' max age must be positive, got {max_age_s}")
+        self.alpha, self.spacing, self.max_age_s = alpha, spacing, max_age_s
         self.buckets: dict[int, _Bucket] = {}
 
-    def update(self, load: float, ratio: float) -> float:
-        """Take ``ratio`` measured at ``load`` requests/s a replica; the factor there now.
+    def update(self, load: float, ratio: float, now_s: float = 0.0) -> float:
+        """Take ``ratio`` measured at ``load`` requests/s a replica at time ``now_s``; the factor
+        there now. Buckets older than ``max_age_s`` go first.
 
         A bucket's first ratio is damped like every later one: it moves the factor believed at that
         load before it (the neighbours', or 1.0) by ``alpha``, rather than setting it outright. One
@@ -44,14 +49,21 @@ class LoadCorrection:
         outright the first one (x1.73) asked for 3 -> 5 decode replicas at once, with no second
         sample to temper it. The price: a ratio that persists is reached over a few steady
         intervals (about ``1 / alpha``) instead of one."""
+        self.expire(now_s)
         if load <= 0 or not math.isfinite(load):
             return self.at(load)
         key = math.floor(math.log(load) / math.log(self.spacing))
         b = self.buckets.get(key)
         if b is None:
-            b = self.buckets[key] = _Bucket(Ewma(self.alpha, load), Ewma(self.alpha, self.at(load)))
+            b = self.buckets[key] = _Bucket(Ewma(self.alpha, load), Ewma(self.alpha, self.at(load)), now_s)
         b.load.update(load)
+        b.updated_s = now_s
         return b.ratio.update(ratio)
+
+    def expire(self, now_s: float) -> None:
+        """Drop the buckets not updated within ``max_age_s`` of ``now_s``."""
+        for key in [k for k, b in self.buckets.items() if now_s - b.updated_s > self.max_age_s]:
+            del self.buckets[key]
 
     def at(self, load: float) -> float:
         """The factor at ``load`` requests/s a replica."""

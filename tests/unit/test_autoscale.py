@@ -254,6 +254,28 @@ def test_the_correction_by_load_interpolates_between_measured_loads_and_damps_th
     assert len(k.buckets) == 2
 
 
+def test_a_correction_bucket_not_updated_for_its_max_age_is_forgotten():
+    k = LoadCorrection(alpha=1.0, spacing=1.25, max_age_s=600.0)
+    k.update(1.0, 2.0, now_s=0.0)
+    k.update(4.0, 1.2, now_s=500.0)
+    assert len(k.buckets) == 2 and k.at(1.0) == pytest.approx(2.0)
+    k.update(4.0, 1.2, now_s=700.0)  # the bucket at 1.0 is 700 s old: dropped, its neighbour rules
+    assert len(k.buckets) == 1 and k.at(1.0) == pytest.approx(1.2)
+    k.expire(now_s=1301.0)  # nothing for 601 s: the profile again
+    assert k.at(4.0) == 1.0 and not k.buckets
+    with pytest.raises(ValueError, match="max age"):
+        LoadCorrection(alpha=0.5, max_age_s=0.0)
+
+
+def test_the_autoscaler_forgets_a_stale_correction_even_with_no_new_sample():
+    cfg = AutoscaleConfig(correction_max_age_s=60.0)
+    a = Autoscaler(decode_heavy_profile(), SLO_, colocated=False, config=cfg)
+    a.k_decode.update(1.0, 3.0, now_s=0.0)
+    assert a.k_decode.at(1.0) > 1.0
+    a.decide(_obs(100.0, 0.0, {"prefill": 1, "decode": 3}))  # no arrivals: no sample, still expired
+    assert not a.k_decode.buckets and a.k_decode.at(1.0) == 1.0
+
+
 def _served(cfg: AutoscaleConfig, ratio: dict[int, float], rate: float, intervals: int) -> list:
     """Decisions at a constant ``rate`` whose measured p90 TPOT is ``ratio[decode ready]`` x what the
     profile predicts for the ready layout (each desired count ready at once)."""
