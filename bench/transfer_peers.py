@@ -172,11 +172,15 @@ def serve(role: str, spec: PeerSpec, conn: Any) -> None:
         peer.do_close()
 
 
+try:  # looked up in the parent: no dlopen between fork and exec (it can hang in a threaded parent)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def make_cache(spec: PeerSpec, random_bits: bool) -> Any:

@@ -19,11 +19,22 @@ from baton.common.launch import python_module
 log = logging.getLogger(__name__)
 
 
-def _child_setup(cpus: tuple[int, ...]) -> None:  # runs in the child between fork and exec
+def _libc_prctl():
+    """libc's ``prctl``, looked up here, in the parent: a dlopen between fork and exec can hang
+    for good in a child of a threaded process (another thread may have held the loader's lock at
+    the fork; seen: a child that never started, in a test process with gRPC threads)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _child_setup(cpus: tuple[int, ...]) -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if cpus:
         os.sched_setaffinity(0, cpus)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see _restart
