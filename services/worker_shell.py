@@ -25,7 +25,6 @@ from baton.common.engine.config import EngineConfig
 from baton.common.engine.llm_engine import LLMEngine
 from baton.common.index.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from baton.common.metrics import EngineCollector, serve_metrics
-from baton.common.net import free_port
 from baton.services.grpc_tls import PLAINTEXT, GrpcTLS
 from baton.services.lifecycle import Lifecycle, RpcGate
 from baton.services.worker_base import (
@@ -144,8 +143,10 @@ class WorkerShell:
         labels = {"model_name": llm.model_name, "worker": self.worker_id}
         metrics.register(EngineCollector(llm, labels))
         add_servicer = self._engine_ready(llm, metrics, labels)
-        self.metrics_port = self.metrics_port or free_port(cfg.host)
+        # Port 0: the kernel's pick, bound at once (a free port picked first can be taken before
+        # the bind: seen with a dozen workers starting beside other tests' clusters).
         self._metrics_server, _ = serve_metrics(self.metrics_port, cfg.host, metrics)
+        self.metrics_port = self._metrics_server.server_port
         self._server, self.grpc_port = await start_grpc(
             cfg.host, self.grpc_port, add_servicer, self._gate, cfg.grpc_tls
         )

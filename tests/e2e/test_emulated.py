@@ -89,10 +89,9 @@ class EmulatedCluster:
     def start(self) -> None:
         for role, count in (("prefill", NUM_PREFILL), ("decode", NUM_DECODE)):
             for i in range(count):
-                name, port = f"{role}-{i}", free_port()
-                self.metrics[name] = f"http://127.0.0.1:{port}/metrics"
+                name = f"{role}-{i}"  # metrics and gRPC on ports of the kernel's pick (0)
                 args = [role, "--emulate", str(self.profile), "--redis-url", self.redis_url]
-                self.spawn(name, [*args, "--worker-id", name, "--metrics-port", str(port)])
+                self.spawn(name, [*args, "--worker-id", name])
         gateway = ["gateway", "--port", str(self.port), "--redis-url", self.redis_url]
         self.spawn("gateway", [*gateway, "--expect-prefill", str(NUM_PREFILL)])
 
@@ -111,6 +110,7 @@ class EmulatedCluster:
             if len(seen) == NUM_PREFILL + NUM_DECODE and all(
                 w["load"].get("prefill_connected", 0) >= NUM_PREFILL for w in decode
             ):
+                self.metrics = {w["id"]: w["metrics_url"] for w in seen}  # as each registered
                 return seen
             time.sleep(0.5)
         pytest.fail(

@@ -20,6 +20,11 @@ from baton.common.net import free_port
 from baton.services.decode.worker import DecodeWorker, DecodeWorkerConfig
 from baton.services.gateway.app import GatewayConfig, make_server
 
+# Alone (the suite's serial phase): the gateway skips the prefix index when a lookup takes over its
+# 0.5 s Redis timeout, by design, and beside another module's cluster on 2 cores one did (CI on a
+# Xeon with AMX: a shared prefix routed blind, 0 cached tokens).
+pytestmark = pytest.mark.serial
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
