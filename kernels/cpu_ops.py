@@ -322,6 +322,15 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [M, k] int64 of the k (<= 32) largest values of each row of ``x`` ([M, V] bf16 or
+    fp32, last dim contiguous), largest first, equal values in index order (as
+    ``torch.sort(x, descending=True, stable=True)`` orders them); NaN is never among them."""
+    out = torch.empty((x.shape[0], k), dtype=torch.int64)
+    _ops().row_topk(x, out)
+    return out
+
+
 def rope_and_cache(
     qkv: torch.Tensor,  # [N, (H + 2 * KV) * D] bf16 or fp32, last dim contiguous
     positions: torch.Tensor,  # [N] int64

@@ -37,6 +37,17 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [M, k] of each row's k largest values, largest first: the C++ scan on CPU (ties in
+    index order, k <= 32), ``torch.topk`` elsewhere."""
+    cpu_ok = x.is_cpu and x.dim() == 2 and x.stride(-1) == 1 and 1 <= k <= min(32, x.shape[-1])
+    if cpu_ok and x.dtype in (torch.bfloat16, torch.float32):
+        from baton.kernels import cpu_ops
+
+        return cpu_ops.row_topk(x, k)
+    return x.topk(k, dim=-1).indices
+
+
 def rope_and_cache(
     qkv: torch.Tensor,  # [N, (H + 2 KV) * D], q and k rotated in place
     positions: torch.Tensor,  # [N] int64

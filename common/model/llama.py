@@ -288,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
     REFINE_TOP = 8
 
     def _refine(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = logits.topk(self.REFINE_TOP, dim=-1).indices  # [M, k]
+        top = fused.row_topk(logits, self.REFINE_TOP)  # [M, k]
         rows = self.lm_head_weight[top].float()  # [M, k, hidden]
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [M, k]
         return top, exact

@@ -25,6 +25,8 @@ void cascade_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, 
                               at::Tensor group_rows, at::Tensor group_starts,
                               at::Tensor group_blocks, double scale);
 
+// row_topk.cpp
+void row_topk(const at::Tensor& x, const at::Tensor& out);
 // fused_ops.cpp
 void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
                   const at::Tensor& weight, double eps, const at::Tensor& out);
@@ -123,6 +125,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += delta (fp32, in place); out = rms_norm(residual) * weight in out's dtype",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("row_topk", &row_topk,
+        "out[r] = indices of row r's out.size(1) largest values, largest first, ties in index order",
+        py::arg("x"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "out = silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
         py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_and_cache", &rope_and_cache,

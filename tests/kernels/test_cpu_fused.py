@@ -12,6 +12,7 @@ import platform
 import pytest
 import torch
 
+from baton.kernels import fused
 from baton.kernels.cpu_ops import add_rms_norm, load, rope_and_cache, silu_mul
 from baton.kernels.reference import add_rms_norm_ref, rope_and_cache_ref, silu_mul_ref
 
@@ -358,3 +359,45 @@ def test_threads_agree(dtype):
         torch.set_num_threads(before)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def _topk_ref(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Largest first, equal values in index order."""
+    return torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 49152), (64, 49152), (5, 100), (2, 17), (4, 8)])
+@pytest.mark.parametrize("k", [1, 8])
+def test_row_topk_matches_a_stable_sort(dtype, rows, vocab, k):
+    """bf16 logits tie often (8 bits of mantissa): ties come out in index order."""
+    gen = torch.Generator().manual_seed(rows * vocab + k)
+    x = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    if vocab >= 100:
+        x[0, 37] = x[0, 90] = x.max() + 1  # an exact tie at the top of row 0
+    got = fused.row_topk(x, k)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    assert torch.equal(got, _topk_ref(x, k))
+
+
+def test_row_topk_strided_rows_and_odd_values():
+    x = torch.randn(12, 1000)[::2]  # every other row of a larger buffer
+    assert x.stride(0) == 2000
+    x[1, :] = 0.0  # all equal: indices 0..k-1
+    x[2, 5] = float("nan")  # NaN is never picked
+    x[2, 6] = float("inf")
+    x[0, -1] = 1e30  # in the scalar tail
+    got = fused.row_topk(x, 8)
+    assert torch.equal(got[1], torch.arange(8))
+    assert 5 not in got[2].tolist() and got[2, 0] == 6
+    assert got[0, 0] == 999
+    assert torch.equal(got[[0, 3]], _topk_ref(x[[0, 3]], 8))
+
+
+def test_row_topk_rejects_bad_inputs():
+    from baton.kernels import cpu_ops
+
+    with pytest.raises(ValueError, match="k must be"):
+        cpu_ops.row_topk(torch.randn(2, 40), 33)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_ops.row_topk(torch.randn(2, 40).half(), 4)
