@@ -36,7 +36,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from baton.bench.breakdown import start_cluster, stop_cluster
-from baton.bench.fidelity import Mix, parse_arrival, parse_mix, parse_profile_overrides, predicted_capacity
+from baton.bench.fidelity import (
+    Mix,
+    parse_arrival,
+    parse_arrivals,
+    parse_mix,
+    parse_profile_overrides,
+    predicted_capacity,
+)
 from baton.bench.serve import BenchConfig, run_benchmark
 from baton.planner.layout import parse_layout
 from baton.planner.profile import Profile
@@ -165,9 +172,7 @@ def cmd_decisions(a: argparse.Namespace) -> int:
         profiles: dict[str, Profile] = parse_profile_overrides(a.profile)
         slo = parse_slo(a.slo)
         mixes = [parse_mix(m) for m in a.mix]
-        arrivals = a.arrivals.split(",")
-        for arrival in arrivals:
-            parse_arrival(arrival)
+        arrivals = parse_arrivals(a.arrivals)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: baton bench decisions: {e}", file=sys.stderr)
         return 2

@@ -82,6 +82,14 @@ def parse_arrival(text: str) -> tuple[str, float]:
     raise ValueError(f"arrival {text!r}: expected poisson or gamma:CV (CV > 0)")
 
 
+def parse_arrivals(text: str) -> list[str]:
+    """A comma-separated list of arrivals (``poisson,gamma:2``), each checked by ``parse_arrival``."""
+    arrivals = text.split(",")
+    for arrival in arrivals:
+        parse_arrival(arrival)
+    return arrivals
+
+
 @dataclass
 class Run:
     """One real run beside its prediction (latencies in ms)."""
@@ -344,9 +352,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
         slo = parse_slo(a.slo)
         mixes = [parse_mix(m) for m in a.mix]
         loads = [float(x) for x in a.loads.split(",")]
-        arrivals = a.arrivals.split(",")
-        for arrival in arrivals:
-            parse_arrival(arrival)
+        arrivals = parse_arrivals(a.arrivals)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: baton bench fidelity: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from baton.bench.fidelity import (
     errors,
     format_report,
     parse_arrival,
+    parse_arrivals,
     parse_mix,
     parse_profile_overrides,
     predicted_capacity,
@@ -38,6 +39,9 @@ def test_mixes_and_arrivals_parse_or_say_why():
     for bad in ("gamma", "gamma:0", "gamma:x", "poisson:2", "burst"):
         with pytest.raises(ValueError, match="poisson or gamma"):
             parse_arrival(bad)
+    assert parse_arrivals("poisson,gamma:2") == ["poisson", "gamma:2"]
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        parse_arrivals("poisson,burst")
 
 
 def test_the_predicted_capacity_is_where_simulated_attainment_crosses_90_percent():
