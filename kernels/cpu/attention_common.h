@@ -256,6 +256,20 @@ struct Exp2Poly {
   }
 };
 
+// The probabilities 2^(s - m) of a 32-key chunk's scores s0 (keys 0-15) and s1 (16-31) against a
+// row's reference point m; where the chunk is masked, only the keys in k0 / k1 (the others 0).
+template <typename Exp2>
+inline void chunk_probs(bool masked, __mmask16 k0, __mmask16 k1, __m512 s0, __m512 s1, __m512 m,
+                        __m512& p0, __m512& p1) {
+  if (masked) {
+    p0 = Exp2::template eval<true>(k0, _mm512_sub_ps(s0, m));
+    p1 = Exp2::template eval<true>(k1, _mm512_sub_ps(s1, m));
+  } else {
+    p0 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s0, m));
+    p1 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s1, m));
+  }
+}
+
 // Keys 0..n-1 of a 16-key group valid (n may be <= 0 or >= 16).
 inline __mmask16 prefix_mask(int64_t n) {
   if (n >= 16) return static_cast<__mmask16>(0xFFFF);

@@ -244,13 +244,7 @@ struct PrefillLoop {
           m_hi[r] = _mm512_add_ps(m_new, slack);
         }
         __m512 p0, p1;
-        if (masked) {
-          p0 = Exp2::template eval<true>(k0, _mm512_sub_ps(s0, m[r]));
-          p1 = Exp2::template eval<true>(k1, _mm512_sub_ps(s1, m[r]));
-        } else {
-          p0 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s0, m[r]));
-          p1 = Exp2::template eval<false>(0xFFFF, _mm512_sub_ps(s1, m[r]));
-        }
+        chunk_probs<Exp2>(masked, k0, k1, s0, s1, m[r], p0, p1);
         l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
         if constexpr (PVBF) {
 #if defined(__AVX512BF16__)
