@@ -31,7 +31,7 @@ class IsaLevel:
 
 
 LEVELS: tuple[IsaLevel, ...] = (
-    # Sapphire Rapids and later Xeons: oneDNN's bf16 GEMMs and the cascade kernel on AMX tiles.
+    # Sapphire Rapids and later Xeons: Baton's bf16 GEMM, prefill attention and cascade on AMX tiles.
     IsaLevel(
         "amx",
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
