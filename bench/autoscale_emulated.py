@@ -1,4 +1,5 @@
-"""``baton bench autoscale``: issue 30's three autoscaler figures measured with EMULATED workers.
+"""``baton bench autoscale``: issue 30's three autoscaler figures measured with EMULATED workers
+(or, with ``--real``, with real workers computing on this machine's cores).
 
 It starts ``baton up --emulate PROFILE --layout L --autoscale --profile PROFILE --slo ...`` on free
 ports (real gateway, Redis, gRPC services and autoscaler; each engine step sleeps the profile's time,
@@ -12,7 +13,9 @@ At the end it stops ``baton up`` (which stops everything it started) and compute
 (``autoscale_figures.figures``): the decision delay after the step, reversals at constant load,
 requests out of SLO after the step against ``(cold start + 10 s) x 2 x rate``. One JSON holds the
 decisions, the log lines, the worker timeline, every request, the figures and the CPU (``lscpu``),
-all labelled ``emulated``.
+all labelled ``emulated`` (``real`` with ``--real``: ``baton up`` without ``--emulate``, the
+profile then only the autoscaler's; new workers share the cores of the old here). Requests that
+failed (a lost stream) are counted apart.
 """
 
 from __future__ import annotations
@@ -68,12 +71,15 @@ class AutoscaleBench:
     request_timeout_s: float = 300.0
     up_args: tuple[str, ...] = ()
     """Further ``baton up`` flags (the pools' bounds: ``--autoscale-max-decode 6`` ...)."""
+    emulated: bool = True
+    """False: real workers (``baton up`` without ``--emulate``)."""
 
 
 def up_command(b: AutoscaleBench) -> list[str]:
     """``baton up``'s flags (port and log folder are ``start_cluster``'s)."""
     ttft, tpot = b.slo
-    args = ["--emulate", b.profile, "--layout", b.layout, "--autoscale", "--profile", b.profile]
+    args = ["--emulate", b.profile] if b.emulated else []
+    args += ["--layout", b.layout, "--autoscale", "--profile", b.profile]
     args += ["--slo", f"ttft:{ttft:g}", f"tpot:{tpot:g}", "--autoscale-interval", f"{b.interval_s:g}"]
     args += ["--autoscale-cold-start", f"{b.cold_start_s:g}", "--autoscale-cooldown", f"{b.cooldown_s:g}"]
     return [*args, *b.up_args]
@@ -207,13 +213,20 @@ def report(b: AutoscaleBench, rows, t0: float, results, lines, poll: WorkerPoll)
     figs["first_decision_after_step"] = after[0] if after else None
     late = [r.arrival_s - row[0] for r, row in zip(requests, rows)]  # the client's own lag
     figs["client_late_s"] = {"mean": round(sum(late) / len(late), 4), "max": round(max(late), 4)}
+    figs["failed_requests"] = sum(1 for r in requests if r.error)
     for name, lo, hi in (("constant", 0.0, b.phase_a_s), ("after_step", b.phase_a_s, phases.end_s)):
         busy = [x for t, x in poll.busy if lo <= t - t0 < hi]
         figs[f"cpu_busy_{name}"] = round(sum(busy) / len(busy), 3) if busy else None
+    what = (
+        "issue 30's autoscaler figures with EMULATED workers (baton up --emulate): every step's time is"
+        " the profile's, the gateway, Redis, gRPC services and autoscaler are real"
+        if b.emulated
+        else "issue 30's autoscaler figures with REAL workers (baton up --autoscale): new workers share"
+        " this machine's cores with the old"
+    )
     return {
-        "label": "emulated",
-        "what": "issue 30's autoscaler figures with EMULATED workers (baton up --emulate): every"
-        " step's time is the profile's, the gateway, Redis, gRPC services and autoscaler are real",
+        "label": "emulated" if b.emulated else "real",
+        "what": what,
         "settings": asdict(b),
         "up_command": ["baton", "up", *up_command(b)],
         "cpu": cpu_kind(),
@@ -242,7 +255,8 @@ def summary(result: dict) -> str:
     delay = f["decision_delay_s"]
     ok = {True: "met", False: "NOT met"}
     lines = [
-        f"baton bench autoscale (EMULATED workers, {s['profile']}; CPU {result['cpu'].get('Model name', '?')})",
+        f"baton bench autoscale ({result['label'].upper()} workers, {s['profile']};"
+        f" CPU {result['cpu'].get('Model name', '?')})",
         f"  load: {s['rate']:g} req/s for {s['phase_a_s']:g} s, then {2 * s['rate']:g} req/s for"
         f" {s['phase_b_s']:g} s; {s['input_len']} -> {s['output_len']} tokens; {result['num_requests']} requests",
         f"  1. first scale-up decision {'none' if delay is None else f'{delay:.1f} s'} after the step"
@@ -253,7 +267,8 @@ def summary(result: dict) -> str:
         f" = {f['reversals_per_10min']} per 10 min (bar <= 1): {ok[f['reversals_met']]};"
         f" whole run {f['reversals_whole_run']}",
         f"  3. out of SLO after the step {f['out_of_slo_after_step']} of {f['requests_after_step']}"
-        f" (bar <= {f['out_of_slo_bar']:g}): {ok[f['out_of_slo_met']]}; before it {f['out_of_slo_before_step']}",
+        f" (bar <= {f['out_of_slo_bar']:g}): {ok[f['out_of_slo_met']]}; before it {f['out_of_slo_before_step']};"
+        f" failed (lost) requests {f['failed_requests']}",
         f"  machine CPU busy (anyone's): {f['cpu_busy_constant']} before the step, {f['cpu_busy_after_step']}"
         f" after; sends late by {f['client_late_s']['mean']:.3f} s on average, {f['client_late_s']['max']:.3f} s at most",
     ]
@@ -267,6 +282,7 @@ def register(bench: argparse._SubParsersAction) -> None:
         help="issue 30's autoscaler figures with emulated workers (starts baton up --emulate --autoscale)",
     )
     p.add_argument("--profile", required=True, help="the profile the workers emulate and the autoscaler uses")
+    p.add_argument("--real", action="store_true", help="real workers: baton up without --emulate")
     p.add_argument("--layout", default="1p3d", help="the layout baton up starts with")
     p.add_argument("--rate", type=float, default=5.0, help="requests/s before the step (after: twice this)")
     p.add_argument("--phase-a", type=float, default=600.0, help="seconds at the constant rate")
@@ -314,6 +330,7 @@ def cmd_autoscale(a: argparse.Namespace) -> int:
         seed=a.seed,
         ready_timeout_s=a.ready_timeout,
         up_args=tuple(x for x in a.up_args if x != "--"),
+        emulated=not a.real,
     )
     # SIGTERM unwinds like Ctrl-C: ``run``'s ``finally`` stops ``baton up`` (its own session).
     signal.signal(signal.SIGTERM, _exit)
