@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -42,6 +41,7 @@
 #endif
 
 #include "attention_common.h"
+#include "vec16.h"
 
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin, const at::Tensor& kv_layer, const at::Tensor& slot_blocks,
@@ -94,30 +94,23 @@ inline uint8_t encode_scalar(Fmt f, float x) {  // x already divided by the scal
 }
 
 #ifdef BATON_KVQ_AVX512
-// 16 values of x (tail lanes past m zero) as fp32.
-inline __m512 load16f(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
-inline __m512 load16f(const bf16* x, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // quantize_row for int8 codes, 16 values at a time: the same amax, the same division by the bf16
 // scale and the same rounding (to nearest even) and clamp, so the same codes.
 template <typename T>
 inline void quantize_row_int8(const T* x, int64_t D, uint8_t* row) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = static_cast<__mmask16>(D - d >= 16 ? 0xFFFF : (1u << (D - d)) - 1u);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16f(x + d, m)));
+    const __mmask16 m = tail_mask(D - d);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + d, m)));
   }
   const bf16 scale(_mm512_reduce_max_ps(amax) / 127.f);
   const float s = to_float(scale);
   const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
   for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = static_cast<__mmask16>(D - d >= 16 ? 0xFFFF : (1u << (D - d)) - 1u);
+    const __mmask16 m = tail_mask(D - d);
     __m512i codes = _mm512_setzero_si512();
     if (s > 0.f) {
-      __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16f(x + d, m), vs),
+      __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(x + d, m), vs),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
       codes = _mm512_cvtps_epi32(q);
@@ -904,19 +897,10 @@ void dequantize_blocks(at::Tensor out, at::Tensor cache, at::Tensor block_ids) {
           const float s = row_scale(row, D);
           int64_t d = 0;
 #ifdef BATON_KVQ_AVX512
-          if (f == kInt8) {  // 16 codes at a time; bf16 rounded to nearest even, as c10 does
+          if (f == kInt8) {  // 16 codes at a time
             const __m512 vs = _mm512_set1_ps(s);
             for (; d + 16 <= D; d += 16) {
-              const __m512 x = _mm512_mul_ps(decode16<kInt8>(row + d), vs);
-              if constexpr (std::is_same_v<T, float>) {
-                _mm512_storeu_ps(o + r * D + d, x);
-              } else {
-                const __m512i b = _mm512_castps_si512(x);
-                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-                const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + r * D + d),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-              }
+              store16(o + r * D + d, _mm512_mul_ps(decode16<kInt8>(row + d), vs), 0xFFFF);
             }
           }
 #endif

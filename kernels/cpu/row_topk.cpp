@@ -19,9 +19,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
 
@@ -61,21 +59,13 @@ inline float value(c10::BFloat16 x) {
   return f;
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
 template <typename T>
 void row(const T* x, int64_t V, int64_t k, int64_t* out) {
   TopK top(k);
   int64_t j = 0;
-#if defined(__AVX512F__)
+#ifdef BATON_VEC16
   for (; j + 16 <= V; j += 16) {
-    const __m512 v = load16(x + j);
+    const __m512 v = load16(x + j, 0xFFFF);
     __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top.threshold()), _CMP_GT_OQ);
     while (m) {
       const int lane = __builtin_ctz(m);
