@@ -45,6 +45,11 @@ KERNEL_ISA = Var("BATON_KERNEL_ISA", "the x86 level of the CPU kernels to load (
 BF16_GEMM = Var(
     "BATON_BF16_GEMM", "bf16 weights' GEMM: auto (ours where AVX512-BF16 built it), baton or onednn", "auto"
 )
+ONE_CALL_LAYERS = Var(
+    "BATON_ONE_CALL_LAYERS",
+    "CPU steps run every decoder layer in one C++ call where they can (1) or layer by layer in Python (0)",
+    "1",
+)
 API_KEY = Var("BATON_API_KEY", "the API keys the gateway asks for (comma-separated)")
 REDIS_USERNAME = Var("BATON_REDIS_USERNAME", "the Redis ACL user a service logs in as")
 REDIS_PASSWORD = Var("BATON_REDIS_PASSWORD", "Redis's password (or BATON_REDIS_PASSWORD_FILE)")
@@ -55,6 +60,7 @@ ALL = (
     KERNEL_CACHE,
     KERNEL_ISA,
     BF16_GEMM,
+    ONE_CALL_LAYERS,
     API_KEY,
     REDIS_USERNAME,
     REDIS_PASSWORD,

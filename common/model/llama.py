@@ -12,8 +12,8 @@ from torch import nn
 
 from baton.common.model.attention import AttentionMetadata, paged_attention
 from baton.common.model.config import LlamaConfig
-from baton.env import BF16_GEMM
-from baton.kernels import fused
+from baton.env import BF16_GEMM, ONE_CALL_LAYERS
+from baton.kernels import fused, kv_quant
 
 
 class Linear(nn.Linear):
@@ -248,6 +248,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: PackedWeight | None = None
         self.lm_head_quant: nn.Module | None = None
         """A quantized copy of the LM head (``quant.quantize_model``), used in its place."""
+        self.one_call_weights: list[torch.Tensor] | None = None
+        """Every layer's weights as the extension's ``llama_layers`` reads them (set by ``prepack``
+        where every layer is this module's plain Llama layer with Baton-packed bf16 projections)."""
 
     def prepack(self) -> None:
         """Ready the loaded weights for inference: norm weights in fp32 (they scale the fp32
@@ -259,6 +262,51 @@ class LlamaForCausalLM(nn.Module):
                 module.weight.data = module.weight.data.float()
         if self.lm_head_quant is None:
             self.lm_head_packed = prepack_weight(self.lm_head_weight)
+        self.one_call_weights = self._one_call_weights()
+
+    def _one_call_weights(self) -> list[torch.Tensor] | None:
+        """[input norm, qkv, o, post-attention norm, gate_up, down] of each layer, or None where a
+        layer is not exactly ``LlamaDecoderLayer`` with fp32 norms of one eps and projections packed
+        for ``bf16_gemm`` (quantized, sharded or oneDNN-packed weights run the Python layers)."""
+        weights: list[torch.Tensor] = []
+        eps = {self.norm.eps}
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            plain = (
+                type(layer) is LlamaDecoderLayer
+                and type(attn) is LlamaAttention
+                and type(mlp) is LlamaMLP
+                and type(layer.input_layernorm) is RMSNorm
+                and type(layer.post_attention_layernorm) is RMSNorm
+            )
+            if not plain:
+                return None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(p) is not Linear or type(p.packed) is not Bf16GemmWeight for p in projections):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.weight.dtype != torch.float32 for n in norms):
+                return None
+            eps |= {n.eps for n in norms}
+            qkv, o, gate_up, down = (p.packed.packed for p in projections)
+            weights += [norms[0].weight, qkv, o, norms[1].weight, gate_up, down]
+        return weights if len(eps) == 1 else None
+
+    def _layers_in_one_call(self, n: int, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step runs every layer in the extension's ``llama_layers``: packed weights
+        (``prepack``), a CPU cache of this model's layers, no cascade groups, no prefill chunk over
+        a quantized cache, and ``BATON_ONE_CALL_LAYERS`` not 0."""
+        prefill = meta.prefill_context_lens.numel() > 0
+        return (
+            self.one_call_weights is not None
+            and kv_cache.is_cpu
+            and kv_cache.dim() == 6
+            and kv_cache.shape[1] == len(self.layers)
+            and meta.cascade is None
+            and not (prefill and kv_quant.is_quantized(kv_cache))
+            and meta.num_decode_tokens + meta.num_padding_tokens <= n
+            and ONE_CALL_LAYERS.get() != "0"
+        )
 
     def forward(
         self,
@@ -270,6 +318,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [N, hidden] in the model dtype."""
         residual = self.embed_tokens(input_ids).float()  # [N, hidden], fp32
         delta = None
+        if self._layers_in_one_call(residual.shape[0], kv_cache, meta):
+            from baton.kernels import cpu_ops
+
+            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            delta = cpu_ops.load().llama_layers(
+                residual, None, self.one_call_weights, positions, self.rotary.cos, self.rotary.sin,
+                kv_cache, meta.slot_blocks, meta.slot_offsets, meta.num_decode_tokens,
+                meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
+                meta.prefill_context_lens, meta.prefill_query_start_loc, meta.num_padding_tokens,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate, self.norm.eps,
+                attn.scale, kv_quant.is_quantized(kv_cache),
+            )  # fmt: skip
+            return self.norm(residual, delta, self.embed_tokens.weight.dtype)
         for i, layer in enumerate(self.layers):
             delta = layer(residual, delta, positions, self.rotary, kv_cache[:, i], meta)
         return self.norm(residual, delta, self.embed_tokens.weight.dtype)

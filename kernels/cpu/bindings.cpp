@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <vector>
 
 // paged_attention.cpp
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -63,7 +64,28 @@ bool has_amx_bf16();
 double bf16_dot_peak_gflops(int64_t rounds);
 void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
 
+// llama_layers.cpp
+at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
+                        const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                        const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                        int64_t num_decode, const at::Tensor& decode_block_tables,
+                        const at::Tensor& decode_context_lens, const at::Tensor& prefill_block_tables,
+                        const at::Tensor& prefill_context_lens, const at::Tensor& query_start_loc,
+                        int64_t num_padding, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t intermediate, double eps, double scale,
+                        bool quantized_kv);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("llama_layers", &llama_layers,
+        "Every Llama decoder layer of a step in one call (the Python layer's kernels, in its order)",
+        py::arg("residual"), py::arg("delta"), py::arg("weights"), py::arg("positions"), py::arg("cos"),
+        py::arg("sin"), py::arg("kv_cache"), py::arg("slot_blocks"), py::arg("slot_offsets"),
+        py::arg("num_decode"), py::arg("decode_block_tables"), py::arg("decode_context_lens"),
+        py::arg("prefill_block_tables"), py::arg("prefill_context_lens"), py::arg("query_start_loc"),
+        py::arg("num_padding"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("quantized_kv"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_and_cache_quant", &rope_and_cache_quant,
         "rope_and_cache into a quantized cache: rotate q and k in place, quantize k and v rows",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_layer"),

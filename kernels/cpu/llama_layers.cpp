@@ -1,0 +1,120 @@
+// A step's decoder layers in one call: the Llama layer of common/model/llama.py (add + RMS norm,
+// QKV projection, RoPE and cache write, paged attention, output projection, add + RMS norm,
+// gate/up projection, SiLU x up, down projection), layer after layer, calling the same kernels in
+// the same order as the Python layer does, so the outputs are bit for bit the Python layers'
+// (tests/model/test_llama_layers.py).
+//
+// What it saves: the Python layer makes ~10 calls through torch and pybind a layer (~0.1 ms of
+// dispatch: 3-5 ms of a 30-layer step, a third of a batch-1 token), and allocates every
+// intermediate anew; at 64 rows and more those are fresh pages to fault in each time (a 64-row
+// gate/up output is 384 KB, a 2,048-row one 12 MB). Here the step pays one call, and the layers
+// share one set of buffers.
+//
+// The step's rows are laid out as attention.py lays them: [decode rows | prefill chunks | padding].
+// The decode rows (the first num_decode) go through paged decode attention, the prefill chunks
+// (query_start_loc) through paged prefill attention, and the padding rows' attention output is
+// zero (their K/V go where slot_blocks sends them). llama.py sends the steps whose shape this
+// covers: bf16 projections packed for bf16_gemm, no cascade groups, and a bf16 KV cache or a
+// quantized one without prefill chunks (a quantized cache's prefill dequantizes blocks in Python).
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <vector>
+
+// The kernels it calls (their own translation units).
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale);
+void paged_decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor k_cache,
+                                  at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor context_lens, double scale);
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                             at::Tensor block_tables, at::Tensor context_lens,
+                             at::Tensor query_start_loc, double scale);
+void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
+                  const at::Tensor& weight, double eps, const at::Tensor& out);
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
+void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& kv_layer, const at::Tensor& slot_blocks,
+                    const at::Tensor& slot_offsets, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim);
+void rope_and_cache_quant(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& kv_layer,
+                          const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
+
+// Layer i's weights: [input norm, qkv, o, post-attention norm, gate_up, down] at 6 i .. 6 i + 5 (the
+// norms fp32 [hidden], the projections bf16_gemm-packed). Returns the last layer's output (the
+// delta the final norm adds); residual ([N, hidden] fp32) is updated in place, as the layers do.
+// prefill_block_tables / prefill_context_lens / query_start_loc: attention.py's prefill metadata
+// (no prefill chunk: prefill_context_lens is empty).
+at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
+                        const std::vector<at::Tensor>& weights, const at::Tensor& positions,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                        const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                        int64_t num_decode, const at::Tensor& decode_block_tables,
+                        const at::Tensor& decode_context_lens, const at::Tensor& prefill_block_tables,
+                        const at::Tensor& prefill_context_lens, const at::Tensor& query_start_loc,
+                        int64_t num_padding, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t intermediate, double eps, double scale,
+                        bool quantized_kv) {
+  TORCH_CHECK_VALUE(residual.dim() == 2 && residual.scalar_type() == at::kFloat,
+                    "llama_layers: residual must be [N, hidden] fp32");
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6, "llama_layers: kv_cache must be [blocks, layers, 2, KV, bs, D]");
+  const int64_t layers = kv_cache.size(1);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == 6 * layers,
+                    "llama_layers: 6 weights a layer, got ", weights.size(), " for ", layers, " layers");
+  const int64_t n = residual.size(0), hidden = residual.size(1);
+  TORCH_CHECK_VALUE(0 <= num_decode && 0 <= num_padding && num_decode + num_padding <= n,
+                    "llama_layers: num_decode + num_padding must be within the step's ", n, " rows");
+  const bool prefill = prefill_context_lens.numel() > 0;
+  TORCH_CHECK_VALUE(!(prefill && quantized_kv), "llama_layers: no prefill chunk over a quantized cache");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const auto opts = residual.options().dtype(at::kBFloat16);
+  // The buffers every layer reuses (the Python layer allocates them anew; the values are the same:
+  // each layer writes every element it reads).
+  at::Tensor h = at::empty({n, hidden}, opts);
+  at::Tensor qkv = at::empty({n, q_size + 2 * kv_size}, opts);
+  at::Tensor attn = at::empty({n, num_heads, head_dim}, opts);
+  at::Tensor o = at::empty({n, hidden}, opts);
+  at::Tensor gate_up = at::empty({n, 2 * intermediate}, opts);
+  at::Tensor act = at::empty({n, intermediate}, opts);
+  at::Tensor out = at::empty({n, hidden}, opts);  // each layer's output, read by the next one's first op
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
+  const at::Tensor q_decode = q.narrow(0, 0, num_decode);
+  const at::Tensor attn_decode = attn.narrow(0, 0, num_decode);
+  if (num_padding > 0) attn.narrow(0, n - num_padding, num_padding).zero_();  // no kernel writes them
+  std::optional<at::Tensor> prev = delta;
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + 6 * i;
+    const at::Tensor kv_layer = kv_cache.select(1, i);
+    const at::Tensor k_cache = kv_layer.select(1, 0), v_cache = kv_layer.select(1, 1);
+    add_rms_norm(residual, prev, w[0], eps, h);
+    bf16_gemm(h, w[1], qkv);
+    if (quantized_kv) {
+      rope_and_cache_quant(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads,
+                           num_kv_heads, head_dim);
+      if (num_decode > 0)
+        paged_decode_attention_quant(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
+                                     decode_context_lens, scale);
+    } else {
+      rope_and_cache(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads,
+                     num_kv_heads, head_dim);
+      if (num_decode > 0)
+        paged_decode_attention(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
+                               decode_context_lens, scale);
+      if (prefill)
+        paged_prefill_attention(attn, q, k_cache, v_cache, prefill_block_tables, prefill_context_lens,
+                                query_start_loc, scale);
+    }
+    bf16_gemm(attn.view({n, q_size}), w[2], o);
+    add_rms_norm(residual, o, w[3], eps, h);
+    bf16_gemm(h, w[4], gate_up);
+    silu_mul(gate_up, act);
+    bf16_gemm(act, w[5], out);
+    prev = out;
+  }
+  return prev.has_value() ? *prev : at::Tensor();
+}
