@@ -6,9 +6,9 @@
 # A layout of one worker runs on every core and is predicted from a profile taken on every core; a
 # layout of two workers (one core each, as `baton up --layout` pins them) from a profile taken on one
 # core. Each layout's prediction uses its served profile: that engine profile calibrated through the
-# real layout (`baton bench served-profile`, a trace of its own, none of the runs below). Profiles
-# are taken first where OUT has none. Run it on a quiet machine: nothing else may run (a test suite
-# beside it made served steps 5-10x slower here).
+# real layout (`baton bench served-profile`, a trace of its own, none of the runs below); the
+# profiles are taken first where OUT has none (scripts/layout_profiles.sh). Run it on a quiet
+# machine: nothing else may run (a test suite beside it made served steps 5-10x slower here).
 #
 #   scripts/fidelity_matrix.sh OUT [WINDOW_S]
 set -euo pipefail
@@ -19,16 +19,9 @@ mkdir -p "$out"
 slo=(ttft:2000 tpot:100)
 mixes=(uniform:128:384/uniform:64:192 uniform:512:1024/uniform:32:96)
 
-[ -f "$out/profile-all-cores.json" ] || "$baton" profile --output "$out/profile-all-cores.json"
-last=$(($(nproc) - 1))
-[ -f "$out/profile-one-core.json" ] ||
-  OMP_NUM_THREADS=1 taskset -c "$last" "$baton" profile --output "$out/profile-one-core.json"
-
+BATON=$baton "$(dirname "$0")/layout_profiles.sh" "$out"
 for layout in colocated 1p1d colocated:2; do
-  profile=$out/profile-one-core.json
-  [ "$layout" = colocated ] && profile=$out/profile-all-cores.json
   served=$out/served-${layout/:/-}.json
-  [ -f "$served" ] || "$baton" bench served-profile --profile "$profile" --layout "$layout" --output "$served"
   "$baton" bench fidelity --profile "$served" --layout "$layout" --mix "${mixes[@]}" \
     --loads 0.3,0.6,0.9,1.2 --arrivals poisson,gamma:2 --window "$window" --slo "${slo[@]}" \
     --output-jsonl "$out/runs.jsonl"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The profiles issue 30's matrices predict from, taken on this machine where OUT lacks them: an
+# engine profile on every core (for `colocated`, one worker on both cores) and one on one core (for
+# the two-worker layouts, one core each, as `baton up --layout` pins them), then each layout's
+# served profile (`baton bench served-profile`: that engine profile calibrated through the real
+# layout on a trace of its own, none of the matrices' runs). Run it on a quiet machine.
+#
+#   scripts/layout_profiles.sh OUT
+set -euo pipefail
+out=${1:?usage: scripts/layout_profiles.sh OUT}
+baton=${BATON:-baton}
+mkdir -p "$out"
+[ -f "$out/profile-all-cores.json" ] || "$baton" profile --output "$out/profile-all-cores.json"
+last=$(($(nproc) - 1))
+[ -f "$out/profile-one-core.json" ] ||
+  OMP_NUM_THREADS=1 taskset -c "$last" "$baton" profile --output "$out/profile-one-core.json"
+for layout in colocated 1p1d colocated:2; do
+  profile=$out/profile-one-core.json
+  [ "$layout" = colocated ] && profile=$out/profile-all-cores.json
+  served=$out/served-${layout/:/-}.json
+  [ -f "$served" ] || "$baton" bench served-profile --profile "$profile" --layout "$layout" --output "$served"
+done
