@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,8 +81,21 @@ class Breakdown:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
+def _unwind(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def start_cluster(up_args: tuple[str, ...], logs: Path, timeout_s: float) -> tuple[subprocess.Popen, int]:
-    """``baton up`` on a free port in its own process group; returns once it says it is ready."""
+    """``baton up`` on a free port in its own process group; returns once it says it is ready.
+
+    The cluster is in a session of its own, which a signal to this process does not reach; so from
+    here SIGTERM unwinds this process like Ctrl-C (where SIGTERM still had its default action),
+    and the caller's ``finally: stop_cluster(proc)`` stops the cluster instead of leaving it running."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _unwind)
     port = free_port()
     cmd = [*python_module("baton.cli"), "up", "--port", str(port), "--log-dir", str(logs)]
     proc = subprocess.Popen(
