@@ -23,27 +23,7 @@
 #include <optional>
 #include <vector>
 
-// The kernels it calls (their own translation units).
-void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale);
-void paged_decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor k_cache,
-                                  at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor context_lens, double scale);
-void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                             at::Tensor block_tables, at::Tensor context_lens,
-                             at::Tensor query_start_loc, double scale);
-void add_rms_norm(const at::Tensor& residual, const std::optional<at::Tensor>& delta,
-                  const at::Tensor& weight, double eps, const at::Tensor& out);
-void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
-void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
-                    const at::Tensor& sin, const at::Tensor& kv_layer, const at::Tensor& slot_blocks,
-                    const at::Tensor& slot_offsets, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t head_dim);
-void rope_and_cache_quant(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& kv_layer,
-                          const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
-void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
+#include "ops.h"  // the kernels it calls (their own translation units)
 
 // Layer i's weights: [input norm, qkv, o, post-attention norm, gate_up, down] at 6 i .. 6 i + 5 (the
 // norms fp32 [hidden], the projections bf16_gemm-packed). Returns the last layer's output (the
