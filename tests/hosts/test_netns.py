@@ -162,7 +162,8 @@ def test_a_decode_host_cut_off_mid_stream_loses_no_stream(cluster, reference):
             def running() -> dict[str, float] | None:
                 """Each decode host's running requests, once all the streams run: read at the
                 workers, not at the client, whose reading threads may lag behind by seconds."""
-                assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
+                ended = [f.result() for f in futures if f.done()]
+                assert not ended, [(len(e.token_ids), e.finish_reason, e.errors) for e in ended]
                 found = {n: cluster.services[n].metric("baton:num_requests_running") for n in decode}
                 return found if sum(found.values()) == len(prompts) else None
 
