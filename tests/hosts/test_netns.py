@@ -41,8 +41,10 @@ LONG = 1500
 KV_BYTES_PER_TOKEN = 512  # the tiny Llama: 2 layers x K,V x 2 heads x 16 x fp32
 SLOW_MBIT = 8.0
 """The prefill host's link while it is cut mid-transfer: its KV takes ~1 s to cross."""
-STREAM_TOKENS = 1500
-"""Long enough that no stream is near its end when the last one starts (~150 tokens/s each here)."""
+STREAM_TOKENS = 3500
+"""Long enough that no stream is near its end when the last one starts (~150 tokens/s each here:
+~23 s; with 1,500 tokens a CI run once saw all four end before they had all been running at once),
+and within the tiny model's 4,096-token context with its 200-token prompt."""
 DECODE_TRANSPORT = {"ucx": ("decode-a", "ucx"), "gloo": ("decode-b", "nccl")}
 
 
