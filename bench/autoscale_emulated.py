@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -302,10 +301,6 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_autoscale)
 
 
-def _exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def cmd_autoscale(a: argparse.Namespace) -> int:
     try:
         slo = parse_slo(a.slo)
@@ -332,8 +327,6 @@ def cmd_autoscale(a: argparse.Namespace) -> int:
         up_args=tuple(x for x in a.up_args if x != "--"),
         emulated=not a.real,
     )
-    # SIGTERM unwinds like Ctrl-C: ``run``'s ``finally`` stops ``baton up`` (its own session).
-    signal.signal(signal.SIGTERM, _exit)
     kept = contextlib.nullcontext(a.log_dir) if a.log_dir else None
     with kept or tempfile.TemporaryDirectory(prefix="baton-autoscale-") as logs:
         try:

@@ -270,7 +270,8 @@ inline void chunk_probs(bool masked, __mmask16 k0, __mmask16 k1, __m512 s0, __m5
   }
 }
 
-// Keys 0..n-1 of a 16-key group valid (n may be <= 0 or >= 16).
+// Lanes 0..n-1 of 16 (n may be <= 0 or >= 16): a 16-key group's valid keys, a row's tail
+// (vec16.h's elementwise kernels).
 inline __mmask16 prefix_mask(int64_t n) {
   if (n >= 16) return static_cast<__mmask16>(0xFFFF);
   if (n <= 0) return 0;

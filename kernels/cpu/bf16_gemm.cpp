@@ -24,6 +24,7 @@
 #define BATON_BF16_GEMM 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_common.h"
+#include "ops.h"
 #define BATON_BF16_GEMM_AMX 1
 #endif
 #endif

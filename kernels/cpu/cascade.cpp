@@ -45,6 +45,7 @@
 #include "cascade_amx.h"
 #include "cascade_shared.h"
 #include "decode_loop.h"
+#include "ops.h"
 #include "prefill_loop.h"
 
 namespace {

@@ -45,6 +45,7 @@
 #define BATON_FUSED_AVX512 1
 #endif
 
+#include "ops.h"
 #include "vec16.h"
 
 namespace {
@@ -289,7 +290,7 @@ void add_rms_norm_rows(float* res, const TD* delta, int64_t d_stride, const floa
 #ifdef BATON_FUSED_AVX512
       const __m512 r = _mm512_set1_ps(rstd);
       for (int64_t j = 0; j < H; j += 16) {
-        const __mmask16 m = tail_mask(H - j);
+        const __mmask16 m = prefix_mask(H - j);
         const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16(x + j, m), r), load16(w + j, m));
         store16(o + j, y, m);
       }
@@ -315,7 +316,7 @@ void silu_mul_rows(const T* gu, int64_t g_stride, T* out, int64_t o_stride, int6
       const __m512 one = _mm512_set1_ps(1.f);
       const __m512 sign = _mm512_set1_ps(-0.f);
       for (int64_t j = 0; j < I; j += 16) {
-        const __mmask16 m = tail_mask(I - j);
+        const __mmask16 m = prefix_mask(I - j);
         const __m512 g = load16(gate + j, m);
         const __m512 e = sleef_expf16(_mm512_xor_ps(g, sign));
         const __m512 s = round_to16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
@@ -362,7 +363,7 @@ inline void rotate_head(T* x, const float* c, const float* s, int64_t D, T* copy
   const int64_t half = D / 2;
 #ifdef BATON_FUSED_AVX512
   for (int64_t j = 0; j < half; j += 16) {
-    const __mmask16 m = tail_mask(half - j);
+    const __mmask16 m = prefix_mask(half - j);
     const __m512 x1 = load16(x + j, m), x2 = load16(x + half + j, m);
     const __m512 y1 = _mm512_sub_ps(_mm512_mul_ps(x1, load16(c + j, m)),
                                     _mm512_mul_ps(x2, load16(s + j, m)));

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "ops.h"
+
 namespace {
 
 #ifdef __AVX512F__

@@ -41,6 +41,7 @@
 #endif
 
 #include "attention_common.h"
+#include "ops.h"
 #include "vec16.h"
 
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
@@ -100,14 +101,14 @@ template <typename T>
 inline void quantize_row_int8(const T* x, int64_t D, uint8_t* row) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = tail_mask(D - d);
+    const __mmask16 m = prefix_mask(D - d);
     amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + d, m)));
   }
   const bf16 scale(_mm512_reduce_max_ps(amax) / 127.f);
   const float s = to_float(scale);
   const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
   for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = tail_mask(D - d);
+    const __mmask16 m = prefix_mask(D - d);
     __m512i codes = _mm512_setzero_si512();
     if (s > 0.f) {
       __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(x + d, m), vs),

@@ -1,5 +1,6 @@
 // The extension's entry points, declared once: bindings.cpp binds them to Python, and
-// llama_layers.cpp calls them from C++. Each is defined in the .cpp file its comment names.
+// llama_layers.cpp calls them from C++. Each is defined in the .cpp file its comment names, which
+// includes this header: a definition that drifts from its declaration fails to compile.
 
 #pragma once
 

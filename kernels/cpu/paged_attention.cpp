@@ -31,6 +31,7 @@
 
 #include "attention_common.h"
 #include "decode_loop.h"
+#include "ops.h"
 
 namespace {
 

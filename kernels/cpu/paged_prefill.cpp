@@ -47,6 +47,7 @@
 
 #include "amx_rows.h"
 #include "attention_common.h"
+#include "ops.h"
 #include "prefill_loop.h"
 
 namespace {

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 
+#include "ops.h"
 #include "vec16.h"
 
 namespace {

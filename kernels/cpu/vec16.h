@@ -1,6 +1,6 @@
 // 16 fp32 lanes of a row of float or bf16, for the elementwise kernels (fused_ops.cpp, kv_quant.cpp,
-// row_topk.cpp): the first n lanes of a tail, masked loads (bf16 widened exactly) and stores (bf16
-// rounded to nearest even with c10's bits: NaN -> 0x7fc0, denormals kept).
+// row_topk.cpp): masked loads (bf16 widened exactly) and stores (bf16 rounded to nearest even with
+// c10's bits: NaN -> 0x7fc0, denormals kept); a tail's lanes are attention_common.h's prefix_mask.
 //
 // In an anonymous namespace, as attention_common.h: each translation unit gets its own copy.
 
@@ -10,15 +10,13 @@
 
 #include <cstdint>
 
+#include "attention_common.h"  // prefix_mask: the first n lanes
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define BATON_VEC16 1
 
 namespace {
-
-inline __mmask16 tail_mask(int64_t n) {  // the first min(n, 16) lanes
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
