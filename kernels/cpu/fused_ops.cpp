@@ -61,21 +61,8 @@ inline int64_t grain_rows(int64_t elems_per_row) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Scalar helpers (also the portable path).
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-template <typename T>
-inline T from_float(float x);
-template <>
-inline float from_float<float>(float x) { return x; }
-template <>
-inline bf16 from_float<bf16>(float x) { return bf16(x); }  // round to nearest even, NaN kept
+// Scalar helpers (also the portable path); to_float / from_float are attention_common.h's (through
+// vec16.h).
 
 // float -> model dtype -> float.
 template <typename T>
