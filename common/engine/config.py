@@ -92,12 +92,12 @@ class EngineConfig:
         default="bfloat16",
         metadata=flag(
             choices=("auto", "bfloat16", "float32"),
-            help="compute dtype; auto: whichever runs the model's GEMMs faster on this CPU (default {default})",
+            help="compute dtype; auto: bf16 where this CPU multiplies it natively (AVX512-BF16, AMX, Arm BF16), else fp32 (default {default})",
             to_children=False,  # baton up resolves auto once, and gives every worker the answer
         ),
     )
     """bfloat16 or float32, for weights, activations and the KV cache; ``auto`` (resolved by
-    ``parallel.engine_factory``): whichever runs the model's GEMMs faster on this CPU (``gemm_probe``)."""
+    ``parallel.engine_factory``): the one this CPU multiplies natively (``gemm_probe``)."""
     device: str = field(
         default="cpu", metadata=flag(help="cpu, or cuda (cuda:N) to run on a GPU (default cpu)")
     )

@@ -2,14 +2,20 @@
 layout come from it.
 
 The fastest dtype flips between the CPUs the project runs on: bf16 matrix products run at ~2x
-fp32's speed on an AMD EPYC with AVX-512 BF16, at ~7x on a Xeon with AMX, and at half on a Xeon
-without it (``../shared/FIELD-NOTES.md``). Rather than guess from ``lscpu``, ``probe`` times the
-model's projections (q|k|v, o, gate|up, down and the LM head, as the model runs them: bf16 weights
-prepacked for oneDNN) for what one W2-like request costs a server: a 256-token prefill, and 256
-decode steps at a batch of 8 over weights that do not fit in any cache (decode streams them from
-memory, where bf16's half-size weights count). The dtype whose request costs least wins. It also
-times the decode step on fewer threads, which tells ``baton up`` what a core taken from decoding
-costs (``services/layout.py``).
+fp32's speed on an AMD EPYC with AVX-512 BF16, at ~4-7x on a Xeon with AMX, and at a fraction of
+it on a CPU with no instruction that multiplies bf16 (``../shared/FIELD-NOTES.md``). So the dtype is
+the CPU's: bf16 where its flags show such an instruction, fp32 where they show none
+(``measurable_dtypes``). It is not decided by timing both: the prefill and decode workers of a
+cluster exchange KV and must agree on the dtype, and each decides on its own (a container or a pod
+of its own); timed beside two more workers starting on the same 2 cores, a prefill worker once
+found fp32 cheaper while its decode workers found bf16 (tests/e2e/test_compose.py, CI). Only
+where the flags cannot be read are both timed, the cheaper winning.
+
+``probe`` times the chosen dtype on the model's projections (q|k|v, o, gate|up, down and the LM
+head, as the model runs them: bf16 weights prepacked for oneDNN) for what one W2-like request costs
+a server: a 256-token prefill, and 256 decode steps at a batch of 8 over weights that do not fit in
+any cache (decode streams them from memory). It also times the decode step on fewer threads, which
+tells ``baton up`` what a core taken from decoding costs (``services/layout.py``).
 
     python -m baton.common.model.gemm_probe [--model PATH] [--threads N] [--decode-threads 1,2]
 """
@@ -52,7 +58,8 @@ class GemmProbe:
     threads: int
     """Torch threads of the dtype comparison."""
     dtype: str
-    """The dtype chosen: the cheapest ``request_ms``."""
+    """The dtype chosen: the CPU's (``measurable_dtypes``), or the cheaper ``request_ms`` where both
+    were timed."""
     prefill_ms: dict[str, float]
     """Per dtype: the projections of a 256-token prefill, all layers."""
     decode_step_ms: dict[str, float]
@@ -165,12 +172,14 @@ def _interleaved_ms(cases: dict, rounds: int = ROUNDS) -> dict:
 
 
 def measurable_dtypes() -> tuple[str, ...]:
-    """The dtypes worth timing here: bf16 only where the CPU has an instruction that multiplies
-    it (``BF16_DOT_FLAGS``), or where its flags cannot be read."""
+    """The dtypes ``--dtype auto`` chooses among here: bf16 alone where the CPU has an instruction
+    that multiplies it (``BF16_DOT_FLAGS``), fp32 alone where it has none, and both (timed, the
+    cheaper wins) where its flags cannot be read. Every worker on a CPU of one kind comes to the
+    same dtype, whatever else runs beside it."""
     flags = cpu_flags()
-    if flags and not flags & set(BF16_DOT_FLAGS):
-        return ("float32",)
-    return CANDIDATES
+    if not flags:
+        return CANDIDATES
+    return ("bfloat16",) if flags & set(BF16_DOT_FLAGS) else ("float32",)
 
 
 def probe(
@@ -179,9 +188,10 @@ def probe(
     decode_threads: Sequence[int] = (),
     candidates: Sequence[str] | None = None,
 ) -> GemmProbe:
-    """Time each candidate dtype (default: ``measurable_dtypes()``) on ``cfg``'s GEMMs on ``threads``
-    torch threads (the cheapest W2-like request wins; a tie goes to the first candidate, bf16: half
-    the memory), and the winner's decode step on each of ``decode_threads``."""
+    """Time each candidate dtype (default: ``measurable_dtypes()``, one where the CPU's flags decide)
+    on ``cfg``'s GEMMs on ``threads`` torch threads (the cheapest W2-like request wins; a tie goes to
+    the first candidate, bf16: half the memory), and the winner's decode step on each of
+    ``decode_threads``."""
     import torch
 
     if candidates is None:
@@ -257,12 +267,25 @@ def _model_stamp(model_path: str) -> list:
     ]
 
 
+_RULE = "dtype-by-flags"
+"""In the cache key: a probe remembered before the dtype came from the CPU's flags (both timed, the
+cheaper kept) is not reused."""
+
+
 def _cache_path(model_path: str, threads: int, decode_threads: Sequence[int], cache_dir: str) -> str:
     from importlib.metadata import version
 
     flags = next((line for line in _cpuinfo_lines() if line.startswith("flags")), "")
     key = json.dumps(
-        [cpu_model(), flags, version("torch"), threads, sorted(decode_threads), _model_stamp(model_path)]
+        [
+            _RULE,
+            cpu_model(),
+            flags,
+            version("torch"),
+            threads,
+            sorted(decode_threads),
+            _model_stamp(model_path),
+        ]
     )
     return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 

@@ -28,16 +28,16 @@ def test_probe_picks_the_dtype_whose_request_costs_least():
     assert p.decode_step_ms_by_threads == {"1": p.decode_step_ms[p.dtype]}  # the same case, timed once
 
 
-def test_bf16_is_timed_only_where_the_cpu_multiplies_it(monkeypatch):
-    """An AVX2-only AMD EPYC (bf16 matmul ~1 GFLOP/s, fp32 ~140) is not asked to time bf16; an
-    AVX512-BF16, AMX or Arm BF16 CPU, or one whose flags cannot be read, times both."""
+def test_the_dtype_is_the_cpus_where_its_flags_say(monkeypatch):
+    """An AVX2-only AMD EPYC (bf16 matmul ~1 GFLOP/s, fp32 ~140) gets fp32; an AVX512-BF16, AMX or
+    Arm BF16 CPU bf16; only a CPU whose flags cannot be read times both."""
     avx2 = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
     for flags, want in [
         (avx2, ("float32",)),
         (avx2 | {"avx512f", "avx512_vnni"}, ("float32",)),
-        (avx2 | {"avx512f", "avx512_bf16"}, gemm_probe.CANDIDATES),
-        (avx2 | {"amx_bf16", "amx_tile"}, gemm_probe.CANDIDATES),
-        ({"fp", "asimd", "bf16"}, gemm_probe.CANDIDATES),
+        (avx2 | {"avx512f", "avx512_bf16"}, ("bfloat16",)),
+        (avx2 | {"amx_bf16", "amx_tile"}, ("bfloat16",)),
+        ({"fp", "asimd", "bf16"}, ("bfloat16",)),
         (set(), gemm_probe.CANDIDATES),
     ]:
         monkeypatch.setattr(gemm_probe, "cpu_flags", lambda flags=flags: flags)
@@ -45,6 +45,23 @@ def test_bf16_is_timed_only_where_the_cpu_multiplies_it(monkeypatch):
     monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: avx2)
     p = gemm_probe.probe(TINY, threads=1)
     assert p.dtype == "float32" and set(p.request_ms) == {"float32"}
+
+
+def test_timings_beside_a_loaded_machine_do_not_change_the_dtype(monkeypatch):
+    """A prefill worker and its decode workers decide ``--dtype auto`` each on its own and must
+    agree (their KV is exchanged): on a CPU that multiplies bf16, bf16 even where fp32's timings
+    come out cheaper (as they once did for one of three workers starting on 2 cores, in CI)."""
+    monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+
+    def loaded(cases, rounds=gemm_probe.ROUNDS):  # fp32 10x cheaper than bf16, as noise could make it
+        return {key: (1.0 if key[1] == "float32" else 10.0) for key in cases}
+
+    monkeypatch.setattr(gemm_probe, "_interleaved_ms", loaded)
+    p = gemm_probe.probe(TINY, threads=1, decode_threads=[1])
+    assert p.dtype == "bfloat16" and set(p.request_ms) == {"bfloat16"}
+    # Both timed (flags unreadable, or asked for): the cheaper wins, so such timings would flip it.
+    both = gemm_probe.probe(TINY, threads=1, candidates=gemm_probe.CANDIDATES)
+    assert both.dtype == "float32"
 
 
 def test_projection_shapes_are_the_fused_layers():

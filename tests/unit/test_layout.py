@@ -42,6 +42,12 @@ def test_a_cpu_without_bf16_instructions_gets_fp32_and_says_why():
     assert got.dtype == "float32" and "the only dtype this CPU multiplies natively" in got.describe()
 
 
+def test_a_cpu_that_multiplies_bf16_gets_bf16_and_says_why():
+    probe = {**FLAT, "request_ms": {"bfloat16": 5397.0}}  # the flags decided: bf16 alone timed
+    got = plan([0, 1], LayoutRequest(), probe)
+    assert got.dtype == "bfloat16" and "this CPU multiplies bf16 natively" in got.describe()
+
+
 def test_flags_win_and_need_no_probe():
     req = LayoutRequest(prefill=2, decode=1, dtype="float32", cpus="none")
     got = plan([0, 1], req, None)
