@@ -5,11 +5,23 @@
 # served profile (`baton bench served-profile`: that engine profile calibrated through the real
 # layout on a trace of its own, none of the matrices' runs). Run it on a quiet machine.
 #
+# Profiles already in OUT are checked first (`baton profile --check`, a few minutes): where this
+# machine now runs more than 10% away from them, it stops, since every prediction from them would
+# be off by as much (a host whose memory read 17 GB/s, where it read 27.6 when the profile was taken,
+# ran decode 51% and prefill 213% off it). CHECK_PROFILE=0 skips the check.
+#
 #   scripts/layout_profiles.sh OUT
 set -euo pipefail
 out=${1:?usage: scripts/layout_profiles.sh OUT}
 baton=${BATON:-baton}
 mkdir -p "$out"
+if [ -f "$out/profile-all-cores.json" ] && [ "${CHECK_PROFILE:-1}" != 0 ]; then
+  if ! "$baton" profile --check "$out/profile-all-cores.json"; then
+    echo "error: this machine drifted from $out/profile-all-cores.json: measure on a quiet machine like" \
+      "the one it was taken on, or take the profiles again (remove them from $out); CHECK_PROFILE=0 runs anyway" >&2
+    exit 1
+  fi
+fi
 [ -f "$out/profile-all-cores.json" ] || "$baton" profile --output "$out/profile-all-cores.json"
 last=$(($(nproc) - 1))
 [ -f "$out/profile-one-core.json" ] ||
