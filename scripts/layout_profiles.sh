@@ -5,10 +5,11 @@
 # served profile (`baton bench served-profile`: that engine profile calibrated through the real
 # layout on a trace of its own, none of the matrices' runs). Run it on a quiet machine.
 #
-# Profiles already in OUT are checked first (`baton profile --check`, a few minutes): where this
-# machine now runs more than 10% away from them, it stops, since every prediction from them would
-# be off by as much (a host whose memory read 17 GB/s, where it read 27.6 when the profile was taken,
-# ran decode 51% and prefill 213% off it). CHECK_PROFILE=0 skips the check.
+# The engine profile on every core, where OUT has one, is checked first (`baton profile --check`, a
+# few minutes; the others were taken beside it): where this machine now runs more than 10% away
+# from it, the script stops, since every prediction from the profiles would be off by as much (a
+# host whose memory read 17 GB/s, where it read 27.6 when the profile was taken, ran decode 51% and
+# prefill 213% off it). CHECK_PROFILE=0 skips the check.
 #
 #   scripts/layout_profiles.sh OUT
 set -euo pipefail

@@ -41,7 +41,7 @@ class UpConfig:
     decode: int = 1
     """Decode workers to start."""
     dtype: str = "auto"
-    """The workers' compute dtype; ``auto``: the one this CPU multiplies natively (``gemm_probe.measurable_dtypes``)."""
+    """The workers' compute dtype; ``auto``: the one this CPU multiplies natively (``gemm_probe.auto_dtypes``)."""
     kv_transport: str = "ucx"
     """How prefill workers push KV to decode workers: ``ucx`` or ``nccl``."""
     host: str = "127.0.0.1"

@@ -5,7 +5,7 @@ The fastest dtype flips between the CPUs the project runs on: bf16 matrix produc
 fp32's speed on an AMD EPYC with AVX-512 BF16, at ~4-7x on a Xeon with AMX, and at a fraction of
 it on a CPU with no instruction that multiplies bf16 (``../shared/FIELD-NOTES.md``). So the dtype is
 the CPU's: bf16 where its flags show such an instruction, fp32 where they show none
-(``measurable_dtypes``). It is not decided by timing both: the prefill and decode workers of a
+(``auto_dtypes``). It is not decided by timing both: the prefill and decode workers of a
 cluster exchange KV and must agree on the dtype, and each decides on its own (a container or a pod
 of its own); timed beside two more workers starting on the same 2 cores, a prefill worker once
 found fp32 cheaper while its decode workers found bf16 (tests/e2e/test_compose.py, CI). Only
@@ -58,7 +58,7 @@ class GemmProbe:
     threads: int
     """Torch threads of the dtype comparison."""
     dtype: str
-    """The dtype chosen: the CPU's (``measurable_dtypes``), or the cheaper ``request_ms`` where both
+    """The dtype chosen: the CPU's (``auto_dtypes``), or the cheaper ``request_ms`` where both
     were timed."""
     prefill_ms: dict[str, float]
     """Per dtype: the projections of a 256-token prefill, all layers."""
@@ -171,7 +171,7 @@ def _interleaved_ms(cases: dict, rounds: int = ROUNDS) -> dict:
     return {key: 1e3 * best[key] * cases[key][1] for key in cases}
 
 
-def measurable_dtypes() -> tuple[str, ...]:
+def auto_dtypes() -> tuple[str, ...]:
     """The dtypes ``--dtype auto`` chooses among here: bf16 alone where the CPU has an instruction
     that multiplies it (``BF16_DOT_FLAGS``), fp32 alone where it has none, and both (timed, the
     cheaper wins) where its flags cannot be read. Every worker on a CPU of one kind comes to the
@@ -188,14 +188,14 @@ def probe(
     decode_threads: Sequence[int] = (),
     candidates: Sequence[str] | None = None,
 ) -> GemmProbe:
-    """Time each candidate dtype (default: ``measurable_dtypes()``, one where the CPU's flags decide)
+    """Time each candidate dtype (default: ``auto_dtypes()``, one where the CPU's flags decide)
     on ``cfg``'s GEMMs on ``threads`` torch threads (the cheapest W2-like request wins; a tie goes to
     the first candidate, bf16: half the memory), and the winner's decode step on each of
     ``decode_threads``."""
     import torch
 
     if candidates is None:
-        candidates = measurable_dtypes()
+        candidates = auto_dtypes()
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     counts = sorted({threads, *decode_threads})

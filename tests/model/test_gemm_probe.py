@@ -41,7 +41,7 @@ def test_the_dtype_is_the_cpus_where_its_flags_say(monkeypatch):
         (set(), gemm_probe.CANDIDATES),
     ]:
         monkeypatch.setattr(gemm_probe, "cpu_flags", lambda flags=flags: flags)
-        assert gemm_probe.measurable_dtypes() == want, flags
+        assert gemm_probe.auto_dtypes() == want, flags
     monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: avx2)
     p = gemm_probe.probe(TINY, threads=1)
     assert p.dtype == "float32" and set(p.request_ms) == {"float32"}
