@@ -25,7 +25,9 @@ HAS_AVX512_BF16 = "avx512_bf16" in _cpu_flags()
 # (M, N, K): one row; a row tile (6) and a ragged one; SmolLM2's qkv and down shapes at a decode
 # batch; N not a multiple of 16 nor of a column tile; the LM head's width. From 16 rows with K a
 # multiple of 32 the AMX tiles run where the build has them: one row tile, a ragged pair, an odd
-# column block, a prefill chunk's down projection; (20, 48, 40) stays on vdpbf16ps (K).
+# column block, a prefill chunk's down projection; (20, 48, 40) stays on vdpbf16ps (K). Outputs
+# of 2 MiB and more are written with streaming stores where N is a multiple of 32 (ragged rows
+# included), and not where it is not.
 @pytest.mark.parametrize(
     "m,n,k",
     [
@@ -40,16 +42,30 @@ HAS_AVX512_BF16 = "avx512_bf16" in _cpu_flags()
         (50, 48, 64),
         (128, 576, 1536),
         (20, 48, 40),
+        (1100, 1024, 64),
+        (1030, 1040, 96),
     ],
 )
 def test_bf16_gemm_is_the_exact_product_rounded_once(m, n, k):
+    _check_product(m, n, k, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+def test_a_large_output_not_on_a_64_byte_boundary_is_still_written_whole():
+    m, n = 1100, 1024  # large enough for streaming stores, which need aligned lines
+    storage = torch.full((m * n + 1,), float("nan"), dtype=torch.bfloat16)
+    out = storage[1:].view(m, n)
+    assert out.data_ptr() % 64 != 0
+    _check_product(m, n, 64, out)
+
+
+def _check_product(m: int, n: int, k: int, out: torch.Tensor) -> None:
     from baton.kernels import cpu_ops
 
     assert cpu_ops.bf16_gemm_available()
     gen = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     cpu_ops.bf16_gemm(x, cpu_ops.bf16_gemm_pack(w), out)
 
     exact = x.double() @ w.double().t()  # bf16 products are exact in fp64
