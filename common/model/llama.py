@@ -90,6 +90,13 @@ class Bf16GemmWeight(PackedWeight):
         self._gemm(x, self.packed, out)
         return out
 
+    def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [M, I] = silu(gate) * up of this [gate; up] weight's product with x (2-d bf16,
+        contiguous): ``cpu_ops.bf16_gemm_silu_mul``."""
+        from baton.kernels import cpu_ops
+
+        cpu_ops.bf16_gemm_silu_mul(x, self.packed, out)
+
 
 def own_bf16_gemm() -> bool:
     """Whether bf16 weights go to Baton's kernel rather than oneDNN: wherever it was compiled in
@@ -207,6 +214,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up_proj.packed
+        if (
+            isinstance(packed, Bf16GemmWeight)
+            and x.dim() == 2
+            and x.dtype == torch.bfloat16
+            and x.is_contiguous()
+        ):
+            # silu_mul in the product's epilogue: the same bits, no [N, 2I] product in memory (AMX).
+            act = torch.empty((x.shape[0], self.intermediate), dtype=torch.bfloat16)
+            packed.silu_mul_into(x, act)
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [N, 2I]
         act = torch.empty((x.shape[0], self.intermediate), dtype=gate_up.dtype, device=x.device)
         return self.down_proj(fused.silu_mul(gate_up, act))

@@ -11,8 +11,8 @@
 // with oneDNN from 256 rows (at 2,048 since its outputs are streamed); vdpbf16ps rows there: 7.2 ms
 // at 1 row, 12.0 at 8.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -25,10 +25,12 @@
 #define BATON_BF16_GEMM 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_common.h"
-#include "ops.h"
 #define BATON_BF16_GEMM_AMX 1
 #endif
 #endif
+
+#include "ops.h"
+#include "sleef_exp.h"
 
 namespace {
 
@@ -37,6 +39,12 @@ constexpr int kMaxRowTile = 6;  // 6 rows x 4 column blocks: 24 accumulators of 
 
 inline void store_bf16(at::BFloat16* p, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// v rounded as store_bf16 rounds it, widened back to fp32.
+inline __m512 rounded_bf16(__m512 v) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // MT rows x NT blocks of 16 output channels over the whole K. x: the tile's first row (row stride
@@ -122,9 +130,10 @@ void gemm(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, 
 // a time, a 16 x 64-byte tile (row p: the 16 channels' pair p). A tiles are 16 rows x 32 k of x.
 // Tiles: 0-3 the fp32 sums (row tile i, column block j: 2i + j), 4-5 x, 6-7 the weights.
 // MB row tiles x NB column blocks over the whole K; a[i]: row tile i's first row (stride k).
+// panel: bf16 elements between the two column blocks' panels (k * 16 for neighbours).
 template <int MB, int NB>
-void amx_tile(const at::BFloat16* const* a, int64_t k, const at::BFloat16* w, float (*sums)[16][16]) {
-  const int64_t panel = k * 16;  // bf16 elements between two blocks' panels
+void amx_tile(const at::BFloat16* const* a, int64_t k, const at::BFloat16* w, int64_t panel,
+              float (*sums)[16][16]) {
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
   if constexpr (MB > 1) _tile_zero(2);
@@ -171,10 +180,10 @@ void amx_columns(const at::BFloat16* const* row_tile, int64_t t0, int64_t t1, in
   for (int64_t t = t0; t < t1; t += 2) {
     const int mb = static_cast<int>(std::min<int64_t>(2, t1 - t));
     const at::BFloat16* a[2] = {row_tile[t], mb > 1 ? row_tile[t + 1] : nullptr};
-    if (mb > 1 && nb > 1) amx_tile<2, 2>(a, k, w, sums);
-    else if (mb > 1) amx_tile<2, 1>(a, k, w, sums);
-    else if (nb > 1) amx_tile<1, 2>(a, k, w, sums);
-    else amx_tile<1, 1>(a, k, w, sums);
+    if (mb > 1 && nb > 1) amx_tile<2, 2>(a, k, w, k * 16, sums);
+    else if (mb > 1) amx_tile<2, 1>(a, k, w, k * 16, sums);
+    else if (nb > 1) amx_tile<1, 2>(a, k, w, k * 16, sums);
+    else amx_tile<1, 1>(a, k, w, k * 16, sums);
     if (nb == 2 && n - b0 * 16 >= 32) {  // a whole pair: one 64-byte store a row
       for (int i = 0; i < mb; ++i) {
         const int64_t r0 = (t + i) * 16, rows = std::min<int64_t>(16, m - r0);
@@ -201,17 +210,72 @@ void amx_columns(const at::BFloat16* const* row_tile, int64_t t0, int64_t t1, in
   }
 }
 
+// out [M, I] = silu(gate) * up where the product's column block j is gate's and block j + I / 16 the
+// same channels' up: each tile pairs gate block j with up block j, and the epilogue rounds both
+// sums to bf16 (as bf16_gemm stores them) and applies silu_mul's arithmetic (sleef_exp.h), so the
+// result is the bits of bf16_gemm followed by silu_mul, without writing and re-reading the [M, 2I]
+// product.
+void amx_gated_columns(const at::BFloat16* const* row_tile, int64_t t0, int64_t t1, int64_t j,
+                       const at::BFloat16* packed, at::BFloat16* out, int64_t m, int64_t k, int64_t inter) {
+  alignas(64) float sums[4][16][16];
+  const at::BFloat16* w = packed + j * k * 16;
+  const int64_t up_panel = inter * k;  // (I / 16) blocks of k * 16
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int mb = static_cast<int>(std::min<int64_t>(2, t1 - t));
+    const at::BFloat16* a[2] = {row_tile[t], mb > 1 ? row_tile[t + 1] : nullptr};
+    if (mb > 1) amx_tile<2, 2>(a, k, w, up_panel, sums);
+    else amx_tile<1, 2>(a, k, w, up_panel, sums);
+    for (int i = 0; i < mb; ++i) {
+      const int64_t r0 = (t + i) * 16, rows = std::min<int64_t>(16, m - r0);
+      at::BFloat16* o = out + r0 * inter + j * 16;
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 g = rounded_bf16(_mm512_load_ps(sums[2 * i][r]));
+        const __m512 u = rounded_bf16(_mm512_load_ps(sums[2 * i + 1][r]));
+        store16(o + r * inter, silu_mul16<at::BFloat16>(g, u), static_cast<__mmask16>(0xFFFF));
+      }
+    }
+  }
+}
+
+// The rows of x as 16-row A tiles, read in place; a ragged last tile from a zero-padded copy.
+struct RowTiles {
+  std::vector<at::BFloat16> tail;
+  std::vector<const at::BFloat16*> tile;
+  RowTiles(const at::BFloat16* x, int64_t m, int64_t k) {
+    const int64_t row_tiles = (m + 15) / 16, full = m / 16;
+    if (full < row_tiles) {
+      tail.assign(static_cast<size_t>(16 * k), at::BFloat16(0.f));
+      std::copy(x + full * 16 * k, x + m * k, tail.begin());
+    }
+    tile.resize(static_cast<size_t>(row_tiles));
+    for (int64_t t = 0; t < row_tiles; ++t) tile[t] = t < full ? x + t * 16 * k : tail.data();
+  }
+};
+
+inline int64_t row_block_tiles(int64_t k) {  // an even number of row tiles in kAmxRowBlockBytes
+  return std::max<int64_t>(2, kAmxRowBlockBytes / (32 * k) / 2 * 2);
+}
+
+void gemm_amx_silu_mul(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m,
+                       int64_t k, int64_t inter) {
+  const RowTiles rows(x, m, k);
+  const int64_t row_tiles = static_cast<int64_t>(rows.tile.size()), block_tiles = row_block_tiles(k);
+  at::parallel_for(0, inter / 16, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    for (int64_t t0 = 0; t0 < row_tiles; t0 += block_tiles) {
+      const int64_t t1 = std::min(row_tiles, t0 + block_tiles);
+      for (int64_t j = begin; j < end; ++j) amx_gated_columns(rows.tile.data(), t0, t1, j, packed, out, m, k, inter);
+    }
+    _tile_release();
+  });
+}
+
 void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m, int64_t k,
               int64_t n) {
-  const int64_t blocks = (n + 15) / 16, row_tiles = (m + 15) / 16, full = m / 16;
-  const int64_t block_tiles = std::max<int64_t>(2, kAmxRowBlockBytes / (32 * k) / 2 * 2);  // even
-  std::vector<at::BFloat16> tail;
-  if (full < row_tiles) {
-    tail.assign(static_cast<size_t>(16 * k), at::BFloat16(0.f));
-    std::copy(x + full * 16 * k, x + m * k, tail.begin());
-  }
-  std::vector<const at::BFloat16*> row_tile(static_cast<size_t>(row_tiles));
-  for (int64_t t = 0; t < row_tiles; ++t) row_tile[t] = t < full ? x + t * 16 * k : tail.data();
+  const int64_t blocks = (n + 15) / 16;
+  const RowTiles rows(x, m, k);
+  const int64_t row_tiles = static_cast<int64_t>(rows.tile.size()), block_tiles = row_block_tiles(k);
+  const at::BFloat16* const* row_tile = rows.tile.data();
   // Streaming stores write whole aligned 64-byte lines: each row's pair of blocks is one.
   const bool stream = m * n * 2 >= kStreamOutputBytes && n % 32 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
@@ -220,7 +284,7 @@ void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* o
       const int64_t t1 = std::min(row_tiles, t0 + block_tiles);
       for (int64_t cp = begin; cp < end; ++cp) {
         const int nb = static_cast<int>(std::min<int64_t>(2, blocks - cp * 2));
-        amx_columns(row_tile.data(), t0, t1, cp * 2, nb, packed, out, m, k, n, stream);
+        amx_columns(row_tile, t0, t1, cp * 2, nb, packed, out, m, k, n, stream);
       }
     }
     _tile_release();
@@ -306,4 +370,31 @@ void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 #else
   TORCH_CHECK_VALUE(false, "bf16_gemm needs AVX512-BF16 (bf16_gemm_available() is false here)");
 #endif
+}
+
+void bf16_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out,
+                        const std::optional<at::Tensor>& scratch) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+                    "x must be a contiguous 2-d bf16 CPU tensor");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                        out.size(0) == x.size(0),
+                    "out must be a contiguous bf16 [M, I] tensor");
+  const int64_t m = x.size(0), k = x.size(1), inter = out.size(1);
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(0) == (2 * inter + 15) / 16,
+                    "packed must be a [gate; up] product of 2 x ", inter, " outputs (bf16_gemm_pack)");
+#ifdef BATON_BF16_GEMM_AMX
+  if (m > 0 && k % 32 == 0 && inter % 16 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+      packed.size(1) == k / 2 && packed.size(2) == 32 && amx_ready()) {
+    gemm_amx_silu_mul(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), m,
+                      k, inter);
+    return;
+  }
+#endif
+  // Elsewhere the two kernels in turn (the same bits), the product in `scratch` where it is given.
+  const bool fits = scratch.has_value() && scratch->is_contiguous() && scratch->scalar_type() == at::kBFloat16 &&
+                    scratch->numel() >= m * 2 * inter;
+  const at::Tensor gate_up =
+      fits ? scratch->view(-1).narrow(0, 0, m * 2 * inter).view({m, 2 * inter}) : at::empty({m, 2 * inter}, x.options());
+  bf16_gemm(x, packed, gate_up);
+  silu_mul(gate_up, out);
 }

@@ -59,6 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rounds"));
   m.def("bf16_gemm", &bf16_gemm, "out = x @ W.T in bf16 (fp32 sums) with W packed by bf16_gemm_pack",
         py::arg("x"), py::arg("packed"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_gemm_silu_mul", &bf16_gemm_silu_mul,
+        "out [M, I] = silu(gate) * up of x @ W.T, W a [gate; up] product packed by bf16_gemm_pack: "
+        "the bits of bf16_gemm then silu_mul, without the [M, 2I] product in memory on AMX",
+        py::arg("x"), py::arg("packed"), py::arg("out"), py::arg("scratch") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_available", &int8_gemm_available, "Whether int8_gemm's VNNI kernel was compiled in");
   m.def("int8_gemm", &int8_gemm,
         "W8A8 out = quant(x) @ W.T with W packed by int8_gemm_pack, both scales applied, one call",

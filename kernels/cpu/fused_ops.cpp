@@ -46,6 +46,7 @@
 #endif
 
 #include "ops.h"
+#include "sleef_exp.h"
 #include "vec16.h"
 
 namespace {
@@ -67,83 +68,6 @@ inline int64_t grain_rows(int64_t elems_per_row) {
 // float -> model dtype -> float.
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
-
-// SLEEF's xexpf (expf_u10), the exp of torch's Vectorized<float>, step by step. d*R_LN2 is rounded
-// to the nearest integer (ties to even, as cvtps2dq), the fmas are fused.
-constexpr float kR_LN2f = 1.442695040888963407359924681001892137426645954152985934135449406931f;
-constexpr float kL2Uf = 0.693145751953125f;
-constexpr float kL2Lf = 1.428606765330187045e-06f;
-constexpr float kExpC0 = 0.000198527617612853646278381f;
-constexpr float kExpC1 = 0.00139304355252534151077271f;
-constexpr float kExpC2 = 0.00833336077630519866943359f;
-constexpr float kExpC3 = 0.0416664853692054748535156f;
-constexpr float kExpC4 = 0.166666671633720397949219f;
-constexpr float kExpC5 = 0.5f;
-
-inline float pow2i(int32_t q) {
-  const uint32_t u = static_cast<uint32_t>(q + 0x7f) << 23;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline float sleef_expf(float d) {
-  if (std::isnan(d)) return d;
-  if (d < -104.f) return 0.f;
-  if (d > 100.f) return std::numeric_limits<float>::infinity();
-  const int32_t q = static_cast<int32_t>(std::nearbyint(d * kR_LN2f));
-  const float qf = static_cast<float>(q);
-  float s = std::fma(qf, -kL2Uf, d);
-  s = std::fma(qf, -kL2Lf, s);
-  float u = kExpC0;
-  u = std::fma(u, s, kExpC1);
-  u = std::fma(u, s, kExpC2);
-  u = std::fma(u, s, kExpC3);
-  u = std::fma(u, s, kExpC4);
-  u = std::fma(u, s, kExpC5);
-  u = 1.f + std::fma(s * s, u, s);
-  const int32_t q1 = q >> 1;
-  return u * pow2i(q1) * pow2i(q - q1);
-}
-
-#ifdef BATON_FUSED_AVX512
-// ---------------------------------------------------------------------------------------------
-// AVX-512 helpers: 16 lanes, masked loads/stores for row tails.
-
-template <typename T>
-inline __m512 round_to16(__m512 v) { return v; }
-template <>
-inline __m512 round_to16<bf16>(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
-
-// SLEEF expf_u10 (see sleef_expf), 16 lanes.
-inline __m512 sleef_expf16(__m512 d) {
-  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(kR_LN2f)));
-  const __m512 qf = _mm512_cvtepi32_ps(q);
-  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-kL2Uf), d);
-  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-kL2Lf), s);
-  __m512 u = _mm512_set1_ps(kExpC0);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kExpC1));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kExpC2));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kExpC3));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kExpC4));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kExpC5));
-  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-  // SLEEF: u * 2^(q>>1) * 2^(q - (q>>1)). The first product is exact (|q>>1| <= 75 keeps it
-  // normal), so this is u * 2^q rounded once, which vscalefps computes directly.
-  u = _mm512_scalef_ps(u, qf);
-  // Outside [-104, 100] (or NaN) SLEEF returns 0 / inf / NaN; rare, so checked with one compare.
-  const __mmask16 wide = _mm512_cmp_ps_mask(_mm512_abs_ps(d), _mm512_set1_ps(100.f), _CMP_NLE_UQ);
-  if (__builtin_expect(wide != 0, 0)) {
-    const __mmask16 under = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ);
-    u = _mm512_mask_mov_ps(u, under, _mm512_setzero_ps());
-    const __mmask16 over = _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ);
-    u = _mm512_mask_mov_ps(u, over, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  }
-  return u;
-}
-#endif  // BATON_FUSED_AVX512
 
 // ---------------------------------------------------------------------------------------------
 // add_rms_norm
@@ -300,14 +224,9 @@ void silu_mul_rows(const T* gu, int64_t g_stride, T* out, int64_t o_stride, int6
       const T* up = gate + I;
       T* o = out + n * o_stride;
 #ifdef BATON_FUSED_AVX512
-      const __m512 one = _mm512_set1_ps(1.f);
-      const __m512 sign = _mm512_set1_ps(-0.f);
       for (int64_t j = 0; j < I; j += 16) {
         const __mmask16 m = prefix_mask(I - j);
-        const __m512 g = load16(gate + j, m);
-        const __m512 e = sleef_expf16(_mm512_xor_ps(g, sign));
-        const __m512 s = round_to16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-        store16(o + j, _mm512_mul_ps(s, load16(up + j, m)), m);
+        store16(o + j, silu_mul16<T>(load16(gate + j, m), load16(up + j, m)), m);
       }
 #else
       for (int64_t j = 0; j < I; ++j) {

@@ -59,7 +59,7 @@ at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tens
   at::Tensor qkv = at::empty({n, q_size + 2 * kv_size}, opts);
   at::Tensor attn = at::empty({n, num_heads, head_dim}, opts);
   at::Tensor o = at::empty({n, hidden}, opts);
-  at::Tensor gate_up = at::empty({n, 2 * intermediate}, opts);
+  at::Tensor gate_up = at::empty({n, 2 * intermediate}, opts);  // used only where AMX is not
   at::Tensor act = at::empty({n, intermediate}, opts);
   at::Tensor out = at::empty({n, hidden}, opts);  // each layer's output, read by the next one's first op
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
@@ -91,8 +91,7 @@ at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tens
     }
     bf16_gemm(attn.view({n, q_size}), w[2], o);
     add_rms_norm(residual, o, w[3], eps, h);
-    bf16_gemm(h, w[4], gate_up);
-    silu_mul(gate_up, act);
+    bf16_gemm_silu_mul(h, w[4], act, gate_up);
     bf16_gemm(act, w[5], out);
     prev = out;
   }

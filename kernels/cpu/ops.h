@@ -63,6 +63,9 @@ bool bf16_gemm_available();
 bool has_amx_bf16();
 double bf16_dot_peak_gflops(int64_t rounds);
 void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);
+// scratch: room for the [M, 2I] product where the two kernels run in turn (none: allocated).
+void bf16_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out,
+                        const std::optional<at::Tensor>& scratch);
 
 // llama_layers.cpp
 at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tensor>& delta,

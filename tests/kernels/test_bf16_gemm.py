@@ -125,3 +125,40 @@ def test_the_environment_chooses_the_kernel(monkeypatch):
     monkeypatch.setenv("BATON_BF16_GEMM", "fastest")
     with pytest.raises(ValueError, match="BATON_BF16_GEMM"):
         own_bf16_gemm()
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+# (M, I, K): one row (a decode step), a row tile and a ragged pair, SmolLM2's MLP at a decode batch
+# and a prefill chunk's rows; K not a multiple of 32 and I not a multiple of 16 take the two kernels
+# in turn.
+@pytest.mark.parametrize(
+    "m,inter,k",
+    [(1, 1536, 576), (16, 64, 64), (37, 48, 96), (64, 1536, 576), (1030, 256, 576), (5, 48, 40), (9, 40, 64)],
+)
+def test_gate_up_with_silu_in_the_epilogue_is_the_bits_of_the_two_kernels(m, inter, k):
+    from baton.kernels import cpu_ops, fused
+
+    gen = torch.Generator().manual_seed(m + inter + k)
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.3).bfloat16()
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    packed = cpu_ops.bf16_gemm_pack(w)
+    gate_up = torch.empty(m, 2 * inter, dtype=torch.bfloat16)
+    cpu_ops.bf16_gemm(x, packed, gate_up)
+    want = fused.silu_mul(gate_up, torch.empty(m, inter, dtype=torch.bfloat16))
+    got = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
+    cpu_ops.bf16_gemm_silu_mul(x, packed, got)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    scratch = torch.empty(m * 2 * inter + 7, dtype=torch.bfloat16)
+    again = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
+    cpu_ops._ops().bf16_gemm_silu_mul(x, packed, again, scratch)
+    assert torch.equal(again.view(torch.int16), want.view(torch.int16))
+
+
+def test_gate_up_with_silu_refuses_a_product_of_another_width():
+    from baton.kernels import cpu_ops
+
+    packed = cpu_ops.bf16_gemm_pack(torch.ones(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="gate; up"):
+        cpu_ops.bf16_gemm_silu_mul(
+            torch.ones(2, 32, dtype=torch.bfloat16), packed, torch.empty(2, 48, dtype=torch.bfloat16)
+        )
