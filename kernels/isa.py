@@ -81,12 +81,16 @@ def runnable(cpu: frozenset[str] | set[str]) -> list[IsaLevel]:
     return [level for level in LEVELS if level.requires <= cpu]
 
 
+_FLAG_LINES = ("flags", "Features")  # x86's and Arm's names for the line
+
+
 def cpu_flags_line() -> str:
-    """This CPU's ``flags`` line from /proc/cpuinfo (the processor's name elsewhere)."""
+    """This CPU's feature line from /proc/cpuinfo (x86 ``flags``, Arm ``Features``; the processor's
+    name elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(_FLAG_LINES):
                     return line
     except OSError:
         pass
@@ -96,4 +100,4 @@ def cpu_flags_line() -> str:
 def cpu_flags() -> frozenset[str]:
     """This CPU's flags as a set (empty where /proc/cpuinfo has none)."""
     line = cpu_flags_line()
-    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
+    return frozenset(line.split(":", 1)[1].split()) if line.startswith(_FLAG_LINES) else frozenset()

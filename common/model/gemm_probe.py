@@ -234,10 +234,9 @@ def cpu_model() -> str:
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (x86 ``flags``, Arm ``Features``), or an empty set."""
-    for line in _cpuinfo_lines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    from baton.kernels import isa
+
+    return set(isa.cpu_flags())
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -275,7 +274,9 @@ cheaper kept) is not reused."""
 def _cache_path(model_path: str, threads: int, decode_threads: Sequence[int], cache_dir: str) -> str:
     from importlib.metadata import version
 
-    flags = next((line for line in _cpuinfo_lines() if line.startswith("flags")), "")
+    from baton.kernels import isa
+
+    flags = isa.cpu_flags_line() if isa.cpu_flags() else ""
     key = json.dumps(
         [
             _RULE,
