@@ -294,6 +294,15 @@ void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* o
 #endif
 #endif
 
+// x [M, K] and out [M, width] as both entry points take them.
+void check_rows(const at::Tensor& x, const at::Tensor& out, const char* width) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+                    "x must be a contiguous 2-d bf16 CPU tensor");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                        out.size(0) == x.size(0),
+                    "out must be a contiguous bf16 [M, ", width, "] tensor");
+}
+
 }  // namespace
 
 bool bf16_gemm_available() {
@@ -348,11 +357,7 @@ double bf16_dot_peak_gflops(int64_t rounds) {
 }
 
 void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-                    "x must be a contiguous 2-d bf16 CPU tensor");
-  TORCH_CHECK_VALUE(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
-                        out.size(0) == x.size(0),
-                    "out must be a contiguous bf16 [M, N] tensor");
+  check_rows(x, out, "N");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK_VALUE(k % 2 == 0, "bf16_gemm needs K even, got ", k);
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 3 &&
@@ -374,11 +379,7 @@ void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 
 void bf16_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out,
                         const std::optional<at::Tensor>& scratch) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-                    "x must be a contiguous 2-d bf16 CPU tensor");
-  TORCH_CHECK_VALUE(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
-                        out.size(0) == x.size(0),
-                    "out must be a contiguous bf16 [M, I] tensor");
+  check_rows(x, out, "I");
   const int64_t m = x.size(0), k = x.size(1), inter = out.size(1);
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(0) == (2 * inter + 15) / 16,
                     "packed must be a [gate; up] product of 2 x ", inter, " outputs (bf16_gemm_pack)");
