@@ -214,7 +214,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.gate_up_proj.packed
+        packed = getattr(self.gate_up_proj, "packed", None)  # quantized projections have their own
         if (
             isinstance(packed, Bf16GemmWeight)
             and x.dim() == 2
