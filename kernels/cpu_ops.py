@@ -439,12 +439,15 @@ def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
     _ops().bf16_gemm(x, packed, out)
 
 
-def bf16_gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+def bf16_gemm_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+) -> None:
     """out [M, I] = silu(gate) * up, where x @ W.T is [gate | up] ([M, 2I], W packed by
     ``bf16_gemm_pack``): the bits of ``bf16_gemm`` followed by ``silu_mul``. On AMX tiles each tile
     pairs gate's channels with up's and the epilogue applies silu, so the [M, 2I] product is never
-    written (a 2,048-token chunk's is 12 MiB on SmolLM2); elsewhere it runs the two in turn."""
-    _ops().bf16_gemm_silu_mul(x, packed, out)
+    written (a 2,048-token chunk's is 12 MiB on SmolLM2); elsewhere it runs the two in turn, the
+    product in ``scratch`` (bf16, at least M x 2I elements) where it is given."""
+    _ops().bf16_gemm_silu_mul(x, packed, out, scratch)
 
 
 def int8_gemm_available() -> bool:
