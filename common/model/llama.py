@@ -81,21 +81,24 @@ class Bf16GemmWeight(PackedWeight):
         self._gemm = cpu_ops.load().bf16_gemm  # the extension's function: ~120 calls a step
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-            lead = x.shape[:-1]
-            return self(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()).view(
-                *lead, self.out_features
-            )
-        out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
-        self._gemm(x, self.packed, out)
-        return out
+        return self._rows(x, self._gemm, self.out_features)
 
-    def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out [M, I] = silu(gate) * up of this [gate; up] weight's product with x (2-d bf16,
-        contiguous): ``cpu_ops.bf16_gemm_silu_mul``."""
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] weight's product with x ([..., I]):
+        ``cpu_ops.bf16_gemm_silu_mul``, the bits of the product followed by ``fused.silu_mul``."""
         from baton.kernels import cpu_ops
 
-        cpu_ops.bf16_gemm_silu_mul(x, self.packed, out)
+        return self._rows(x, cpu_ops.bf16_gemm_silu_mul, self.out_features // 2)
+
+    def _rows(self, x: torch.Tensor, kernel, width: int) -> torch.Tensor:
+        """kernel(x, packed, out) over x as 2-d contiguous bf16 rows, out [..., width]."""
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            lead = x.shape[:-1]
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            return self._rows(rows, kernel, width).view(*lead, width)
+        out = torch.empty((x.shape[0], width), dtype=torch.bfloat16)
+        kernel(x, self.packed, out)
+        return out
 
 
 def own_bf16_gemm() -> bool:
@@ -215,16 +218,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(self.gate_up_proj, "packed", None)  # quantized projections have their own
-        if (
-            isinstance(packed, Bf16GemmWeight)
-            and x.dim() == 2
-            and x.dtype == torch.bfloat16
-            and x.is_contiguous()
-        ):
+        if isinstance(packed, Bf16GemmWeight):
             # silu_mul in the product's epilogue: the same bits, no [N, 2I] product in memory (AMX).
-            act = torch.empty((x.shape[0], self.intermediate), dtype=torch.bfloat16)
-            packed.silu_mul_into(x, act)
-            return self.down_proj(act)
+            return self.down_proj(packed.silu_mul(x))
         gate_up = self.gate_up_proj(x)  # [N, 2I]
         act = torch.empty((x.shape[0], self.intermediate), dtype=gate_up.dtype, device=x.device)
         return self.down_proj(fused.silu_mul(gate_up, act))

@@ -256,40 +256,40 @@ inline int64_t row_block_tiles(int64_t k) {  // an even number of row tiles in k
   return std::max<int64_t>(2, kAmxRowBlockBytes / (32 * k) / 2 * 2);
 }
 
-void gemm_amx_silu_mul(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m,
-                       int64_t k, int64_t inter) {
+// `units` column units (pairs of blocks) split between threads; each thread runs
+// unit(row_tiles, t0, t1, u) for its units against each block of rows in turn (row_block_tiles).
+template <typename Unit>
+void amx_row_blocks(const at::BFloat16* x, int64_t m, int64_t k, int64_t units, bool stream, const Unit& unit) {
   const RowTiles rows(x, m, k);
   const int64_t row_tiles = static_cast<int64_t>(rows.tile.size()), block_tiles = row_block_tiles(k);
-  at::parallel_for(0, inter / 16, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
     for (int64_t t0 = 0; t0 < row_tiles; t0 += block_tiles) {
       const int64_t t1 = std::min(row_tiles, t0 + block_tiles);
-      for (int64_t j = begin; j < end; ++j) amx_gated_columns(rows.tile.data(), t0, t1, j, packed, out, m, k, inter);
+      for (int64_t u = begin; u < end; ++u) unit(rows.tile.data(), t0, t1, u);
     }
     _tile_release();
+    if (stream) _mm_sfence();  // the streamed lines visible before the threads join
+  });
+}
+
+void gemm_amx_silu_mul(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m,
+                       int64_t k, int64_t inter) {
+  amx_row_blocks(x, m, k, inter / 16, false, [&](const at::BFloat16* const* row_tile, int64_t t0, int64_t t1, int64_t j) {
+    amx_gated_columns(row_tile, t0, t1, j, packed, out, m, k, inter);
   });
 }
 
 void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m, int64_t k,
               int64_t n) {
   const int64_t blocks = (n + 15) / 16;
-  const RowTiles rows(x, m, k);
-  const int64_t row_tiles = static_cast<int64_t>(rows.tile.size()), block_tiles = row_block_tiles(k);
-  const at::BFloat16* const* row_tile = rows.tile.data();
   // Streaming stores write whole aligned 64-byte lines: each row's pair of blocks is one.
   const bool stream = m * n * 2 >= kStreamOutputBytes && n % 32 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();
-    for (int64_t t0 = 0; t0 < row_tiles; t0 += block_tiles) {
-      const int64_t t1 = std::min(row_tiles, t0 + block_tiles);
-      for (int64_t cp = begin; cp < end; ++cp) {
-        const int nb = static_cast<int>(std::min<int64_t>(2, blocks - cp * 2));
-        amx_columns(row_tile, t0, t1, cp * 2, nb, packed, out, m, k, n, stream);
-      }
-    }
-    _tile_release();
-    if (stream) _mm_sfence();  // the streamed lines visible before the threads join
-  });
+  amx_row_blocks(x, m, k, (blocks + 1) / 2, stream,
+                 [&](const at::BFloat16* const* row_tile, int64_t t0, int64_t t1, int64_t cp) {
+                   const int nb = static_cast<int>(std::min<int64_t>(2, blocks - cp * 2));
+                   amx_columns(row_tile, t0, t1, cp * 2, nb, packed, out, m, k, n, stream);
+                 });
 }
 #endif
 #endif
