@@ -7,9 +7,12 @@ alone, batches of 1-16 streams, prompts during a batch's decoding, a steady Pois
 a minute and a half) with ``bench serve``'s trace replay, fits the served path's four factors by
 simulating the same trace, and writes ``P`` with them folded in (``served`` says which layout, the
 factors, the fit's error against the engine profile's, and every calibration request as sent and
-measured). ``baton simulate``, ``plan`` and ``bench fidelity`` read the result like any profile; it
-holds for the layout it was taken on.
-``--refit S.json`` fits again on the calibration ``S`` recorded (a changed model, no new run).
+measured). Meanwhile it measures the host's CPU a streamed token (``host_ms``): what the gateway,
+Redis and this process (the client) spent over the replay, less what they spend idle (``IDLE_S``
+before it), over the tokens streamed. ``baton simulate``, ``plan`` and ``bench fidelity`` read the
+result like any profile; it holds for the layout it was taken on.
+``--refit S.json`` fits again on the calibration ``S`` recorded (a changed model, no new run), with
+the host cost ``S`` measured or ``--host-ms``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import dataclasses
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from baton.bench import proc_stats
 from baton.bench.breakdown import start_cluster, stop_cluster
 from baton.bench.serve import BenchConfig, run_benchmark
 from baton.planner.layout import parse_layout
@@ -30,6 +35,10 @@ from baton.planner.served import calibration_trace, fit_served, served_profile
 
 SEED = 0x5E4
 """Prompt ids of the calibration's own (no prefix shared with a later run's prompts)."""
+IDLE_S = 3.0
+"""Seconds the host's processes are sampled idle before the replay."""
+HOST_ROLES = ("gateway", "redis")
+"""``baton up``'s processes that are not workers: their CPU (and the client's) is the host's."""
 
 
 def measure(base_url: str, rows: list[tuple[float, int, int]]) -> tuple[list, list, dict]:
@@ -61,6 +70,12 @@ def register(bench: argparse._SubParsersAction) -> None:
         metavar="SERVED.json",
         help="fit again on the calibration this served profile recorded (no cluster started)",
     )
+    p.add_argument(
+        "--host-ms",
+        type=float,
+        default=None,
+        help="the host's CPU ms a streamed token, instead of the one measured (or recorded)",
+    )
     p.add_argument("up_args", nargs=argparse.REMAINDER, help="-- then further flags for baton up")
     p.set_defaults(func=cmd_served_profile)
 
@@ -82,6 +97,7 @@ def cmd_served_profile(a: argparse.Namespace) -> int:
             cal = recorded["calibration"]
             rows, ttft, tpot = [tuple(r) for r in cal["rows"]], cal["ttft_ms"], cal["tpot_ms"]
             up_args = tuple(recorded.get("up_args", ()))
+            host = recorded.get("host", {})
         except (OSError, ValueError, KeyError) as e:
             print(f"error: baton bench served-profile: --refit {a.refit}: {e}", file=sys.stderr)
             return 2
@@ -92,20 +108,25 @@ def cmd_served_profile(a: argparse.Namespace) -> int:
             proc, port = start_cluster(("--layout", a.layout, *up_args), Path(logs), 900.0)
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
             try:
-                ttft, tpot, raw = measure(f"http://127.0.0.1:{port}", rows)
+                pids = {n: p for n, p in proc_stats.cluster_pids(proc.pid).items() if n in HOST_ROLES}
+                idle = host_cpu_s(pids, lambda: time.sleep(IDLE_S))[0]
+                busy, (ttft, tpot, raw) = host_cpu_s(pids, lambda: measure(f"http://127.0.0.1:{port}", rows))
             finally:
                 stop_cluster(proc)
         if raw["failed"]:
             print(f"error: {raw['failed']} calibration requests failed: {raw['errors']}", file=sys.stderr)
             return 1
-    fit = fit_served(profile, layout, rows, ttft, tpot)
-    out = served_profile(profile, fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale)
+        host = host_cost(idle, busy, sum(raw["output_lens"]))
+    host_ms = a.host_ms if a.host_ms is not None else host.get("host_ms", 0.0)
+    fit = fit_served(profile, layout, rows, ttft, tpot, host_ms=host_ms)
+    out = served_profile(profile, fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale, fit.host_ms)
     out = dataclasses.replace(
         out,
         served={
             **dataclasses.asdict(fit),
             "engine_profile_taken_at": profile.taken_at,
             "up_args": list(up_args),
+            "host": host,
             "calibration": {"rows": rows, "ttft_ms": ttft, "tpot_ms": tpot},
         },
     )
@@ -113,7 +134,34 @@ def cmd_served_profile(a: argparse.Namespace) -> int:
     print(
         f"{layout}: prefill x{fit.prefill_scale:.2f} (x{fit.mixed_scale:.2f} more beside decodes), "
         f"decode +{fit.step_ms:.1f} ms a step and "
-        f"+{fit.stream_ms:.1f} ms a streamed token; "
+        f"+{fit.stream_ms:.1f} ms a streamed token; the host {fit.host_ms:.2f} ms a streamed token "
+        f"({fit.host_share:.0%} of the {host_ms:.2f} measured); "
         f"log error {fit.error:.3f} (engine profile alone {fit.engine_error:.3f}); wrote {a.output}"
     )
     return 0
+
+
+def host_cpu_s(pids: dict[str, int], work):
+    """``((CPU seconds of the processes ``pids`` and of this one, wall seconds), work())`` over
+    ``work()``."""
+    before = {n: proc_stats.sample(p) for n, p in pids.items()}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    result = work()
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    after = {n: proc_stats.sample(p) for n, p in pids.items()}
+    used = sum(u["cpu_s"] for u in proc_stats.usage(before, after, wall1 - wall0).values())
+    return (used + cpu1 - cpu0, wall1 - wall0), result
+
+
+def host_cost(idle: tuple[float, float], busy: tuple[float, float], tokens: int) -> dict:
+    """The host's CPU ms a streamed token: the replay's CPU (``busy``: seconds used, wall seconds)
+    less the idle rate's (``idle``) over as long, over the ``tokens`` streamed."""
+    idle_rate = idle[0] / idle[1] if idle[1] > 0 else 0.0
+    extra = max(0.0, busy[0] - idle_rate * busy[1])
+    return {
+        "cpu_s": busy[0],
+        "wall_s": busy[1],
+        "idle_cpu_per_s": idle_rate,
+        "tokens": tokens,
+        "host_ms": 1e3 * extra / tokens if tokens else 0.0,
+    }

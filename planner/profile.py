@@ -85,6 +85,11 @@ class Profile:
     mixed_prefill_scale: float = 1.0
     """A prefill piece in a step that also decodes costs this times its cost alone (a served
     profile's, fitted; 1 in an engine profile)."""
+    host_ms: float = 0.0
+    """CPU ms each streamed token costs the host outside the workers (the gateway's event, the
+    client's parse), taken from every worker's cores alike (a served profile's, fitted; 0 in an
+    engine profile). The simulator slows each step by the share of the cores it takes at the
+    layout's current token rate."""
     served: dict = field(default_factory=dict)
     """Set in a served profile (``planner/served.py``): the layout it was calibrated on, its
     factors and the calibration's measurements; empty in an engine profile."""
@@ -121,6 +126,7 @@ class Profile:
             taken_at=d["taken_at"],
             points=d.get("points", {}),
             mixed_prefill_scale=float(d.get("mixed_prefill_scale", 1.0)),
+            host_ms=float(d.get("host_ms", 0.0)),
             served=d.get("served", {}),
         )
 

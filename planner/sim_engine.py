@@ -20,7 +20,9 @@ cut at the step boundary after anything arrives. Only a block shortage walks the
 Costs: a decode-only step is ``decode_ms(B, C)``, a prefill-only step ``prefill_ms(pieces)``, and a
 mixed step (colocated, or a decode worker prefilling a short prompt or a recompute) is their sum
 less the smaller fixed cost ``a`` (one forward pass pays its fixed overhead once), the prefill part
-times the profile's ``mixed_prefill_scale`` (a served profile's; 1 in an engine profile).
+times the profile's ``mixed_prefill_scale`` (a served profile's; 1 in an engine profile). With a
+served profile's ``host_ms``, each step (or run) is also slowed by ``Simulator.pace``: the host's
+work for the layout's streamed tokens, where no worker's core is idle to take it.
 
 Left out: prefix caching (every prompt is computed whole), the final-block extra token
 (``cache_final_block``), speculative decoding, and a budget smaller than the decode batch (every
@@ -97,6 +99,9 @@ class Engine:
         self.taken = False  # the step's decode blocks were taken when it started
         self.busy_ms = 0.0
         self.preemptions = 0
+        self.slow = 1.0  # the current step's (or run's) time over its profiled time
+        self.rate = 0.0  # tokens a ms it streams, as ``Simulator.pace`` last counted it
+        self.pacing = False  # in a step, as ``Simulator.pace`` last counted it
 
     # -- commands (applied at the next step boundary) -----------------------------------------
     ADD, RESERVE, RESUME, RELEASE = range(4)
@@ -117,16 +122,18 @@ class Engine:
             self.version += 1
             self.sim.schedule(self.t_end, self, self.version)
 
+    def _first_ms(self) -> float:
+        """The profiled time of the run's first step."""
+        return self.dec_a + self.dec_b * len(self.batch) + self.dec_c * self.ctx
+
     def _run_ms(self, k: int) -> float:
-        b = len(self.batch)
-        first = self.dec_a + self.dec_b * b + self.dec_c * self.ctx
-        return max(0.0, k * first + self.dec_c * b * k * (k - 1) / 2)
+        first = self._first_ms()
+        return max(0.0, k * first + self.dec_c * len(self.batch) * k * (k - 1) / 2) * self.slow
 
     def _steps_until(self, t: float) -> int:
         """The fewest steps of the run that end at or after ``t`` (at least one)."""
-        b = len(self.batch)
-        first = self.dec_a + self.dec_b * b + self.dec_c * self.ctx
-        dt, q = t - self.t0, self.dec_c * b / 2
+        b, first = len(self.batch), self._first_ms()
+        dt, q = (t - self.t0) / self.slow, self.dec_c * b / 2
         if q > 0:  # q k^2 + (first - q) k - dt = 0
             lin = first - q
             n = math.ceil((-lin + math.sqrt(lin * lin + 4 * q * dt)) / (2 * q)) if dt > 0 else 1
@@ -150,6 +157,8 @@ class Engine:
             self._take(t, kind, item)
         if self.batch or self.prefilling or self.waiting:
             self._start(t)
+        if not self.busy:
+            self.slow = self.sim.pace(self, 0, 0.0)
 
     def _take(self, t: float, kind: int, item) -> None:
         if kind == self.ADD:
@@ -262,6 +271,7 @@ class Engine:
             k = self._run_length()
             if k > 0:
                 self.run_k, self.t0 = k, t
+                self.slow = self.sim.pace(self, len(self.batch), max(0.0, self._first_ms()))
                 self.t_end = t + self._run_ms(k)
                 self.sim.schedule(self.t_end, self, self.version)
                 return
@@ -323,7 +333,9 @@ class Engine:
             return
         self.pieces, self.taken = pieces, True
         self.run_k, self.t0 = 1, t
-        self.t_end = t + self._step_ms(pieces)
+        ms = self._step_ms(pieces)
+        self.slow = self.sim.pace(self, len(self.batch), ms)
+        self.t_end = t + ms * self.slow
         self.sim.schedule(self.t_end, self, self.version)
 
     def _step_ms(self, pieces: list[tuple[Seq, int]]) -> float:

@@ -41,6 +41,8 @@ LOAD_COST_TOKENS = 256.0
 """The router's charge per request on a decode worker, in prompt tokens (``Router``'s)."""
 REMOTE_PREFILL_THRESHOLD = 32
 """Prompts shorter than this are prefilled by their decode worker (``DecodeWorkerConfig``'s)."""
+MAX_HOST_SHARE = 0.9
+"""The most of the cores the host's per-token work takes from the workers (``Simulator.pace``)."""
 
 
 class _LeastKey:
@@ -99,6 +101,9 @@ class Simulator:
         self.remote = 0
         self.rejected = 0
         self.wall_s = 0.0
+        self.host_ms = profile.host_ms
+        self.token_rate = 0.0  # tokens a ms: every engine's as its current step started
+        self.busy_engines = 0
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -121,6 +126,26 @@ class Simulator:
             else:
                 break
         self.wall_s = time.perf_counter() - start
+
+    def pace(self, engine: Engine, tokens: int, ms: float) -> float:
+        """``engine`` starts a step of ``ms`` (as profiled) streaming ``tokens``, or goes idle
+        (``ms`` 0): how much slower the step runs for the host's work, ``host_ms`` of CPU a
+        streamed token at the layout's token rate (every engine's as its current step started).
+        The work takes an idle worker's core first (one each); what is left is taken evenly from
+        the busy workers' steps, and a worker on several cores waits for the one it is taken from."""
+        if not self.host_ms:
+            return 1.0
+        busy = ms > 0
+        rate = tokens / ms if busy else 0.0
+        self.token_rate += rate - engine.rate
+        self.busy_engines += busy - engine.pacing
+        engine.rate, engine.pacing = rate, busy
+        if not busy:
+            return 1.0
+        idle = len(self.prefill) + len(self.decode) - self.busy_engines
+        left = self.host_ms * max(0.0, self.token_rate) - idle
+        share = min(MAX_HOST_SHARE, left / self.busy_engines) if left > 0 else 0.0
+        return 1.0 / (1.0 - share)
 
     def schedule(self, t: float, engine: Engine, version: int) -> None:
         self.count += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from baton.bench.served_profile import host_cost
 from baton.planner.layout import parse_layout
 from baton.planner.profile import Linear, Profile
 from baton.planner.served import (
@@ -51,19 +52,23 @@ def test_the_calibration_segments_do_not_overlap(layout):
 
 
 @pytest.mark.parametrize(
-    "layout, factors",
+    "layout, factors, host_ms, share",
     [
-        ("colocated", (1.25, 3.0, 0.5, 1.0)),
-        ("colocated:2", (0.9, 1.5, 1.2, 1.3)),
-        ("1p1d", (1.1, 2.0, 0.3, 1.0)),
+        ("colocated", (1.25, 3.0, 0.5, 1.0), 0.0, 0.0),
+        ("colocated:2", (0.9, 1.5, 1.2, 1.3), 0.0, 0.0),
+        ("1p1d", (1.1, 2.0, 0.3, 1.0), 0.0, 0.0),
+        ("1p1d", (1.1, 2.0, 0.3, 1.0), 0.4, 1.0),
+        ("colocated:2", (1.0, 1.0, 0.5, 1.2), 0.4, 0.5),
     ],
 )
-def test_the_fit_recovers_the_factors_the_measurements_were_made_with(layout, factors):
+def test_the_fit_recovers_the_factors_the_measurements_were_made_with(layout, factors, host_ms, share):
+    # the measurements slowed by ``share`` of the measured host cost ``host_ms``
     profile, lay = _profile(), parse_layout(layout)
     rows = calibration_trace(profile, lay)
-    ttft, tpot = predicted(served_profile(profile, *factors), lay, rows)
-    fit = fit_served(profile, lay, rows, ttft, tpot)
+    ttft, tpot = predicted(served_profile(profile, *factors, host_ms=share * host_ms), lay, rows)
+    fit = fit_served(profile, lay, rows, ttft, tpot, host_ms=host_ms)
     assert (fit.prefill_scale, fit.step_ms, fit.stream_ms, fit.mixed_scale) == pytest.approx(factors)
+    assert (fit.host_share, fit.host_ms) == pytest.approx((share, share * host_ms))
     assert fit.error == pytest.approx(0.0, abs=1e-9)
     assert fit.engine_error > 0.01
 
@@ -100,10 +105,19 @@ def test_short_outputs_tpot_and_failures_are_not_fitted():
 
 
 def test_a_served_profile_round_trips_with_its_factors(tmp_path):
-    served = {"layout": "1p1d", "prefill_scale": 1.1, "step_ms": 0.5, "stream_ms": 0.2}
-    p = served_profile(_profile(), 1.1, 0.5, 0.2)
+    served = {"layout": "1p1d", "prefill_scale": 1.1, "step_ms": 0.5, "stream_ms": 0.2, "host_ms": 0.3}
+    p = served_profile(_profile(), 1.1, 0.5, 0.2, host_ms=0.3)
     p = Profile(**{**p.__dict__, "served": served})
     p.save(tmp_path / "p.json")
     q = Profile.load(tmp_path / "p.json")
     assert q == p and q.served == served
     assert (q.decode.a, q.decode.b, q.decode.c) == pytest.approx((10.5, 0.8, 0.002))
+    assert q.host_ms == 0.3
+
+
+def test_the_host_cost_is_the_replays_cpu_over_idle_per_streamed_token():
+    # 3 s idle cost 0.15 s (5% of a core); the 60 s replay cost 9 s, 3 of them idle's: 6 s / 12k
+    h = host_cost((0.15, 3.0), (9.0, 60.0), 12_000)
+    assert h["host_ms"] == pytest.approx(0.5)
+    assert host_cost((0.15, 3.0), (1.0, 60.0), 12_000)["host_ms"] == 0.0  # never below zero
+    assert host_cost((0.0, 3.0), (1.0, 60.0), 0)["host_ms"] == 0.0

@@ -201,3 +201,33 @@ def test_prefill_routing_spreads_queued_tokens():
     # Both take a fair share; ties (both idle) go to the first, as the router's go by worker id.
     assert 0.4 < busy[1] <= busy[0] < busy[1] + 0.15
     assert two.ttft_ms.p90 < 0.7 * one.ttft_ms.p90
+
+
+def test_the_hosts_work_for_streamed_tokens_slows_a_busy_workers_steps():
+    # One worker: no core is idle for the host's 2 ms a token, so a constant 10 ms decode step that
+    # streams one token takes 10 / (1 - 2 / 10) = 12.5 ms; the prefill step streams none.
+    base = dataclasses.replace(_profile(), decode=Linear(10.0, 0.0))
+    w = _workload(1.0, 1, inp="100", out="5")
+    plain = simulate(base, "colocated", w, SLO(), seed=0)
+    slowed = simulate(dataclasses.replace(base, host_ms=2.0), "colocated", w, SLO(), seed=0)
+    assert slowed.ttft_ms.mean == pytest.approx(plain.ttft_ms.mean)
+    assert plain.tpot_ms.mean == pytest.approx(10.0)
+    assert slowed.tpot_ms.mean == pytest.approx(12.5)
+
+
+def test_the_hosts_work_takes_an_idle_workers_core_first():
+    # Prompts under the remote-prefill threshold never reach the prefill worker: its core takes the
+    # host's work whole while that is under one core, and only the rest slows the decode steps.
+    w = _workload(20.0, 200, inp="16", out="uniform:20:60")
+    base = _profile()
+    plain = simulate(base, "1p1d", w, SLO(), seed=0)
+    light = simulate(dataclasses.replace(base, host_ms=0.2), "1p1d", w, SLO(), seed=0)
+    heavy = simulate(dataclasses.replace(base, host_ms=2.0), "1p1d", w, SLO(), seed=0)
+    assert plain.remote_prefills == 0 and plain.pool_utilisation["prefill"] == 0.0
+    assert light.tpot_ms.mean == pytest.approx(plain.tpot_ms.mean, rel=1e-12)
+    assert light.e2e_ms.p90 == pytest.approx(plain.e2e_ms.p90, rel=1e-12)
+    assert heavy.tpot_ms.mean > 1.2 * plain.tpot_ms.mean
+    # colocated, the same work has no idle core to go to
+    assert simulate(dataclasses.replace(base, host_ms=0.2), "colocated", w, SLO(), seed=0).tpot_ms.mean > (
+        simulate(base, "colocated", w, SLO(), seed=0).tpot_ms.mean
+    )
