@@ -29,7 +29,9 @@ segments leave the prefill worker's core idle for the gateway, so a calibration 
 no per-token cost there, while the same layout at 120% load, both cores busy, decoded 19% slower
 than predicted (Intel, 2026-12-06; the host measured 0.38 ms a streamed token). One worker on
 both cores took less of it than the measurement says (its steps leave a core idle in their
-single-threaded parts), hence a share and not the whole.
+single-threaded parts), hence a share and not the whole. Once the calibration has its loaded
+segment (below), the fitted factors catch most of the same slowdown: on the Intel matrix of
+2026-12-06 refitting without the host cost predicted as well (``docs/benchmarks.md``).
 
 The calibration trace (``calibration_trace``) is built to tell them apart and is none of the runs
 a prediction is later checked on: prompts alone (prefill), batches of streams started together
