@@ -31,6 +31,7 @@
 
 #include "attention_common.h"
 #include "decode_loop.h"
+#include "dynamic_for.h"
 #include "ops.h"
 
 namespace {
@@ -74,6 +75,8 @@ std::vector<int64_t> balanced_split(const Params& p, int64_t B, int64_t parts) {
   return bounds;
 }
 
+constexpr int64_t kPartsPerThread = 8;
+
 template <typename T>
 void run(const Params& p, int64_t B) {
   const int64_t n_pairs = B * p.KV;
@@ -86,11 +89,12 @@ void run(const Params& p, int64_t B) {
     do_range(0, n_pairs);
     return;
   }
-  const int64_t parts = std::min(threads, n_pairs);
+  // kPartsPerThread ranges of about equal work a thread, each thread running its own in order and
+  // then taking the others' that are not started yet (dynamic_for.h): a thread slowed by the
+  // other's traffic or by the scheduler does fewer, instead of the other waiting for it.
+  const int64_t parts = std::min(threads * kPartsPerThread, n_pairs);
   const std::vector<int64_t> bounds = balanced_split(p, B, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t part = lo; part < hi; ++part) do_range(bounds[part], bounds[part + 1]);
-  });
+  dynamic_for(parts, [] {}, [&](int64_t part) { do_range(bounds[part], bounds[part + 1]); }, [] {});
 }
 
 }  // namespace

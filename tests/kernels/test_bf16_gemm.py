@@ -51,6 +51,39 @@ def test_bf16_gemm_is_the_exact_product_rounded_once(m, n, k):
 
 
 @pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+@pytest.mark.parametrize("m,n,k", [(1, 576, 1536), (64, 960, 576), (1030, 1040, 96), (3, 16, 32)])
+def test_any_number_of_threads_gives_the_same_bits(m, n, k):
+    """The column units go to the threads in shares that a thread finishing early takes from
+    (``dynamic_for.h``); 3 threads on 2 cores leave one descheduled now and then, so the others
+    take its chunks. Which thread ran a chunk must not show in the result, nor in the gate/up
+    product with silu."""
+    from baton.kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.3).bfloat16()
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    packed = cpu_ops.bf16_gemm_pack(w)
+    before = torch.get_num_threads()
+    outs, gated = [], []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            cpu_ops.bf16_gemm(x, packed, out)
+            outs.append(out)
+            if n % 32 == 0:
+                g = torch.full((m, n // 2), float("nan"), dtype=torch.bfloat16)
+                cpu_ops.bf16_gemm_silu_mul(x, packed, g)
+                gated.append(g)
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int16), other.view(torch.int16))
+    for other in gated[1:]:
+        assert torch.equal(gated[0].view(torch.int16), other.view(torch.int16))
+
+
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
 def test_a_large_output_not_on_a_64_byte_boundary_is_still_written_whole():
     m, n = 1100, 1024  # large enough for streaming stores, which need aligned lines
     storage = torch.full((m * n + 1,), float("nan"), dtype=torch.bfloat16)
