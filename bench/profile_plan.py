@@ -189,8 +189,12 @@ def reduced_plan(stored: Profile, quick: bool = True) -> tuple[Plan, Profile]:
     return plan, dataclasses.replace(stored, points=cut)
 
 
-def format_drift(drifts: dict[str, float], tolerance: float) -> str:
+def format_drift(drifts: dict[str, float], tolerance: float, ratios: dict[str, float] | None = None) -> str:
+    """One line a model: its drift, the verdict and, where ``ratios`` has it, the measured time as
+    a multiple of the stored (above 1x: slower now)."""
+    ratios = ratios or {}
     return "\n".join(
         f"{name:<16} drift {d:7.1%}  {'FAIL' if d > tolerance else 'ok'} (tolerance {tolerance:.0%})"
+        + (f"  time now {ratios[name]:.2f}x the profile's" if name in ratios else "")
         for name, d in sorted(drifts.items())
     )

@@ -179,35 +179,47 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+def _paired(stored: Profile, measured: Profile) -> dict[str, list[tuple[float, float]]]:
+    """Model -> (stored, measured) predictions at the stored profile's own points."""
+    pts = stored.points
+    out = {
+        "prefill": [
+            (stored.prefill(p["tokens"], p["pairs"]), measured.prefill(p["tokens"], p["pairs"]))
+            for p in pts.get("prefill", [])
+        ],
+        "decode": [
+            (stored.decode(p["batch"], p["context"]), measured.decode(p["batch"], p["context"]))
+            for p in pts.get("decode", [])
+        ],
+    }
+    for name, model in stored.transfer.items():
+        if name in measured.transfer:
+            out[f"transfer.{name}"] = [
+                (model(p["tokens"]), measured.transfer[name](p["tokens"]))
+                for p in pts.get(f"transfer.{name}", [])
+            ]
+    if stored.gateway_ms > 0:
+        out["gateway"] = [(stored.gateway_ms, measured.gateway_ms)]
+    return out
+
+
 def drift(stored: Profile, measured: Profile) -> dict[str, float]:
     """Model -> the largest relative difference of its predictions at the stored profile's own
     points (``|measured - stored| / stored``); ``baton profile --check`` fails past 0.10."""
-    out: dict[str, float] = {}
-
-    def worst(pairs: list[tuple[float, float]]) -> float:
-        return max((abs(m - s) / s for s, m in pairs if s > 0), default=0.0)
-
-    pts = stored.points
-    out["prefill"] = worst(
-        [
-            (stored.prefill(p["tokens"], p["pairs"]), measured.prefill(p["tokens"], p["pairs"]))
-            for p in pts.get("prefill", [])
-        ]
-    )
-    out["decode"] = worst(
-        [
-            (stored.decode(p["batch"], p["context"]), measured.decode(p["batch"], p["context"]))
-            for p in pts.get("decode", [])
-        ]
-    )
-    for name, model in stored.transfer.items():
-        if name in measured.transfer:
-            out[f"transfer.{name}"] = worst(
-                [
-                    (model(p["tokens"]), measured.transfer[name](p["tokens"]))
-                    for p in pts.get(f"transfer.{name}", [])
-                ]
-            )
-    if stored.gateway_ms > 0:
-        out["gateway"] = abs(measured.gateway_ms - stored.gateway_ms) / stored.gateway_ms
+    out = {
+        name: max((abs(m - s) / s for s, m in pairs if s > 0), default=0.0)
+        for name, pairs in _paired(stored, measured).items()
+    }
     return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def time_ratio(stored: Profile, measured: Profile) -> dict[str, float]:
+    """Model -> the geometric mean of measured / stored time at the stored profile's own points:
+    above 1 the machine is slower now than when the profile was taken, below 1 faster (the sign
+    that ``drift`` drops; what a correction factor of the planner's would be)."""
+    out = {}
+    for name, pairs in _paired(stored, measured).items():
+        logs = [math.log(m / s) for s, m in pairs if s > 0 and m > 0 and not math.isnan(m)]
+        if logs:
+            out[name] = math.exp(sum(logs) / len(logs))
+    return out

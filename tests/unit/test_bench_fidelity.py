@@ -9,12 +9,14 @@ import pytest
 from baton.bench.fidelity import (
     closed_form_capacity,
     errors,
+    format_repeats,
     format_report,
     parse_arrival,
     parse_arrivals,
     parse_mix,
     parse_profile_overrides,
     predicted_capacity,
+    repeats,
     repredict,
     run_seed,
 )
@@ -82,6 +84,33 @@ def test_errors_count_points_on_every_run_and_latency_only_where_half_is_served(
     assert (e["p90_ttft_within_15"], e["p90_tpot_within_15"]) == (1, 0)
     text = format_report(runs)
     assert "| 1p1d | 256/64 | poisson | 60% |" in text and "2 runs." in text
+
+
+def test_repeated_scenarios_are_set_against_their_mean_and_their_spread():
+    a = dict(_run(0.91, 0.84, 1.0), arrival="gamma:2", load=0.9)
+    runs = [
+        a,
+        _run(0.5, 0.5, 1.0),  # another scenario, run once: not a repeat
+        dict(a, measured_attainment=0.68),
+        dict(a, measured_attainment=0.76),
+        dict(_run(0.40, 0.35, 0.9), load=1.2),
+        dict(_run(0.40, 0.50, 0.9), load=1.2),
+    ]
+    groups = repeats(runs)
+    assert [(g["load"], g["measured_attainment"]) for g in groups] == [
+        (0.9, [0.84, 0.68, 0.76]),
+        (1.2, [0.35, 0.50]),
+    ]
+    g, h = groups
+    assert g["measured_mean"] == pytest.approx(0.76)
+    assert g["measured_spread_pts"] == pytest.approx(16.0)
+    assert g["error_vs_mean_pts"] == pytest.approx(15.0)
+    assert g["outside_range_pts"] == pytest.approx(7.0)  # 91% against 68-84%
+    assert h["outside_range_pts"] == 0.0 and h["error_vs_mean_pts"] == pytest.approx(2.5)
+    text = format_repeats(groups)
+    assert "| 84% / 68% / 76% | 76.0% | 16.0 pts | +15.0 pts |" in text
+    assert "1 of 2 within 5 pts" in text and "1 predictions inside the measured range" in text
+    assert repeats(runs[:2]) == []
 
 
 def test_every_scenario_sends_prompts_of_its_own():

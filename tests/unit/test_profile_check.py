@@ -70,7 +70,10 @@ def test_failing_names_the_models_past_the_tolerance_and_no_others():
     assert failing(drifts, tolerance=0.05) == ["decode", "gateway", "transfer.ucx"]
     assert failing({}) == []
     text = format_drift(drifts, 0.10)
-    assert "decode" in text and "12.0%  FAIL" in text and "4.0%  ok" in text
+    assert "decode" in text and "12.0%  FAIL" in text and "4.0%  ok" in text and "time now" not in text
+    text = format_drift(drifts, 0.10, {"decode": 1.12, "prefill": 0.96})
+    assert "12.0%  FAIL (tolerance 10%)  time now 1.12x the profile's" in text
+    assert "4.0%  ok (tolerance 10%)  time now 0.96x" in text
 
 
 def test_a_halved_profile_drifts_past_the_check_and_an_equal_one_does_not():

@@ -14,6 +14,7 @@ from baton.planner.profile import (
     attention_pairs,
     drift,
     fit,
+    time_ratio,
 )
 from tests.planner_profiles import synthetic_profile
 
@@ -85,3 +86,7 @@ def test_drift_is_the_worst_relative_difference_per_model():
     d = drift(_profile(), _profile(1.12))
     assert set(d) == {"prefill", "decode", "transfer.ucx", "gateway"}
     assert all(v == pytest.approx(0.12) for v in d.values())
+    # a machine 12% faster drifts as far; time_ratio keeps the direction
+    assert drift(_profile(), _profile(0.88)) == pytest.approx(d)
+    assert time_ratio(_profile(), _profile(1.12)) == pytest.approx(dict.fromkeys(d, 1.12))
+    assert time_ratio(_profile(), _profile(0.88)) == pytest.approx(dict.fromkeys(d, 0.88))
