@@ -184,7 +184,7 @@ def run(requests: int, shared_len: int, suffix_len: int, dtype: str, iters: int,
 def bf16_peak(dtype: torch.dtype) -> float | None:
     """This machine's vdpbf16ps rate in GFLOP/s (best of 3), where it bounds both kernels: a bf16
     cache on a CPU with AVX512-BF16 and no AMX tiles (the shared pass runs on tiles there)."""
-    if dtype != torch.bfloat16 or cpu_ops.has_amx_bf16() or not cpu_ops.bf16_gemm_available():
+    if dtype != torch.bfloat16 or cpu_ops.has_amx_bf16() or not cpu_ops.has_avx512_bf16():
         return None
     return max(cpu_ops.bf16_dot_peak_gflops() for _ in range(3))
 

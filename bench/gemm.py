@@ -83,12 +83,25 @@ def measure(kernel: str, rows: int, num_layers: int, repeats: int) -> float:
 KERNELS = ("bf16", "bf16-onednn", "bf16-baton", "int8-fused", "int8-w8a8", "int8-weight-only", "fp32")
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights here: not on a CPU with AVX2 only (it needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT)."""
+    from baton.common.model.llama import OneDNNWeight
+
+    try:
+        OneDNNWeight(torch.ones(16, 16, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def available_kernels() -> list[str]:
     from baton.kernels import cpu_ops
 
     missing = {
         "int8-fused": not cpu_ops.int8_gemm_available(),
         "bf16-baton": not cpu_ops.bf16_gemm_available(),
+        "bf16-onednn": not _onednn_bf16(),
     }
     return [k for k in KERNELS if not missing.get(k, False)]
 

@@ -385,9 +385,15 @@ def fp8_widen(codes: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def bf16_gemm_available() -> bool:
-    """Whether ``bf16_gemm``'s AVX512-BF16 kernel was compiled in (``-march=native`` on a CPU with
-    AVX512-BF16)."""
+    """Whether ``bf16_gemm`` was compiled in: on a CPU with AVX512-BF16 (vdpbf16ps, or AMX tiles
+    where it has them), or with AVX2 and FMA (the bf16 weights widened to fp32 on the way into fp32
+    FMAs: the same packed layout at the same bytes, the same exact products)."""
     return bool(_ops().bf16_gemm_available())
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the kernels were built for a CPU with AVX512-BF16 (vdpbf16ps)."""
+    return bool(_ops().has_avx512_bf16())
 
 
 def has_amx_bf16() -> bool:
@@ -435,7 +441,8 @@ def _interleave(padded: torch.Tensor, group: int) -> torch.Tensor:
 
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
     """out [M, N] bf16 = x [M, K] bf16 @ W.T, W packed by ``bf16_gemm_pack``: each output the fp32
-    sum of its K products (in pairs, vdpbf16ps), rounded to bf16 once."""
+    sum of its K products (in pairs with vdpbf16ps; one by one with AVX2's FMAs), rounded to bf16
+    once."""
     _ops().bf16_gemm(x, packed, out)
 
 

@@ -43,7 +43,7 @@ LEVELS: tuple[IsaLevel, ...] = (
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
         _V4 | {"avx512_bf16", "avx512_vnni"},
     ),
-    # AMD Zen 2 and 3, Haswell to Alder Lake: fp32 paths, int8 with 7-bit codes.
+    # AMD Zen 2 and 3, Haswell to Alder Lake: Baton's bf16 GEMM on fp32 FMAs, int8 with 7-bit codes.
     IsaLevel("avx2", ("-march=x86-64-v3",), _V3),
 )
 """Best first: a CPU runs the first level whose ``requires`` it has."""

@@ -74,7 +74,9 @@ def plan(cores: Sequence[int], req: LayoutRequest, probe: Mapping | None) -> Lay
             per = ", ".join(f"{d} {ms:.0f} ms" for d, ms in probe["request_ms"].items())
             reasons.append(f"{dtype} (the GEMMs of a W2-like request: {per})")
         elif dtype == "bfloat16":
-            reasons.append(f"{dtype} (this CPU multiplies bf16 natively)")
+            reasons.append(
+                f"{dtype} (this CPU multiplies bf16 natively, or Baton's GEMM widens it into AVX2's fp32 FMAs)"
+            )
         else:
             reasons.append(f"{dtype} (the only dtype this CPU multiplies natively)")
     decode = req.decode or 1

@@ -92,7 +92,7 @@ class EngineConfig:
         default="bfloat16",
         metadata=flag(
             choices=("auto", "bfloat16", "float32"),
-            help="compute dtype; auto: bf16 where this CPU multiplies it natively (AVX512-BF16, AMX, Arm BF16), else fp32 (default {default})",
+            help="compute dtype; auto: bf16 where this CPU multiplies it natively (AVX512-BF16, AMX, Arm BF16) or Baton's GEMM widens it into fp32 FMAs (AVX2), else fp32 (default {default})",
             to_children=False,  # baton up resolves auto once, and gives every worker the answer
         ),
     )

@@ -3,8 +3,9 @@ layout come from it.
 
 The fastest dtype flips between the CPUs the project runs on: bf16 matrix products run at ~2x
 fp32's speed on an AMD EPYC with AVX-512 BF16, at ~4-7x on a Xeon with AMX, and at a fraction of
-it on a CPU with no instruction that multiplies bf16 (``../shared/FIELD-NOTES.md``). So the dtype is
-the CPU's: bf16 where its flags show such an instruction, fp32 where they show none
+it in oneDNN on a CPU with no instruction that multiplies bf16 (``../shared/FIELD-NOTES.md``), where
+Baton's own GEMM widens bf16 weights into fp32 FMAs instead (AVX2). So the dtype is the CPU's: bf16
+where its flags show such an instruction or AVX2 and FMA, fp32 where they show neither
 (``auto_dtypes``). It is not decided by timing both: the prefill and decode workers of a
 cluster exchange KV and must agree on the dtype, and each decides on its own (a container or a pod
 of its own); timed beside two more workers starting on the same 2 cores, a prefill worker once
@@ -45,6 +46,12 @@ BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16")
 AVX-NE-CONVERT; Arm: BF16). Without one, oneDNN converts bf16 in scalar code: on a 2-core AMD EPYC
 with AVX2 only, a bf16 2048-cube matmul ran at ~1 GFLOP/s against fp32's ~140, and a probe taken
 beside the test suite's load once picked bf16 anyway (its decode figure is the noisiest)."""
+BF16_WIDENED_FLAGS = ("avx2", "fma")
+"""Where none of ``BF16_DOT_FLAGS`` is there but these are (x86's AVX2 CPUs: AMD Zen 2 and 3, Intel
+Haswell to Alder Lake), bf16 still wins: Baton's GEMM (``kernels/cpu/bf16_gemm.cpp``) widens the
+bf16 weights into fp32 FMAs as it streams them, half fp32's bytes. Every kernel build (each ISA
+level of ``kernels/isa.py``) has it. On a 2-core AVX2-only EPYC (Zen 3), W1 312-330 tokens/s against
+fp32's 265, batch-1 14.2-16.8 ms a token against 47.7 (2026-12-06, ``docs/benchmarks.md``)."""
 PREFILL_ROWS = 256
 DECODE_ROWS = 8
 DECODE_STEPS = 256
@@ -173,13 +180,16 @@ def _interleaved_ms(cases: dict, rounds: int = ROUNDS) -> dict:
 
 def auto_dtypes() -> tuple[str, ...]:
     """The dtypes ``--dtype auto`` chooses among here: bf16 alone where the CPU has an instruction
-    that multiplies it (``BF16_DOT_FLAGS``), fp32 alone where it has none, and both (timed, the
-    cheaper wins) where its flags cannot be read. Every worker on a CPU of one kind comes to the
-    same dtype, whatever else runs beside it."""
+    that multiplies it (``BF16_DOT_FLAGS``) or AVX2 and FMA for Baton's GEMM to widen it into
+    (``BF16_WIDENED_FLAGS``), fp32 alone where it has neither, and both (timed, the cheaper wins)
+    where its flags cannot be read. Every worker on a CPU of one kind comes to the same dtype,
+    whatever else runs beside it."""
     flags = cpu_flags()
     if not flags:
         return CANDIDATES
-    return ("bfloat16",) if flags & set(BF16_DOT_FLAGS) else ("float32",)
+    if flags & set(BF16_DOT_FLAGS) or set(BF16_WIDENED_FLAGS) <= flags:
+        return ("bfloat16",)
+    return ("float32",)
 
 
 def probe(
@@ -266,9 +276,9 @@ def _model_stamp(model_path: str) -> list:
     ]
 
 
-_RULE = "dtype-by-flags"
-"""In the cache key: a probe remembered before the dtype came from the CPU's flags (both timed, the
-cheaper kept) is not reused."""
+_RULE = "dtype-by-flags-avx2-bf16"
+"""In the cache key: a probe remembered under an older rule (both dtypes timed, the cheaper kept;
+fp32 on AVX2 before Baton's GEMM widened bf16 there) is not reused."""
 
 
 def _cache_path(model_path: str, threads: int, decode_threads: Sequence[int], cache_dir: str) -> str:

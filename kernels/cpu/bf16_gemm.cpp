@@ -28,6 +28,10 @@
 #include "dynamic_for.h"
 #define BATON_BF16_GEMM_AMX 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include "dynamic_for.h"
+#define BATON_BF16_GEMM_AVX2 1
 #endif
 
 #include "ops.h"
@@ -301,6 +305,190 @@ void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* o
 #endif
 #endif
 
+#ifdef BATON_BF16_GEMM_AVX2
+// AVX2 has no instruction that multiplies bf16, but a bf16 is the top half of an fp32: the packed
+// layout's 32-bit word (a channel's k pair: low half k even, high half k odd) gives k even's eight
+// channels as fp32 by a shift left and k odd's by masking off the low half. So the same packed
+// weights stream at bf16's bytes into fp32 FMAs: products of bf16 values are exact in fp32, and
+// each output is the fp32 sum of its K products rounded to bf16 once, as with vdpbf16ps (the sums
+// are added in another order). x's rows are widened to fp32 once a call.
+//
+// Few rows (a decode step's, up to kAvx2FewRows) read the packed panel directly, widening each
+// weight vector once for all the tile's rows: memory-bound, two blocks of channels at a time for
+// two streams of weights a thread. More rows widen a block's panel into an fp32 copy in the
+// thread's cache first and run the classic 6 x 16 fp32 tile over it (12 accumulators, a weight
+// vector a k loaded as an operand): compute-bound, the FMA ports kept busy instead of shifting.
+constexpr int64_t kAvx2FewRows = 32;
+
+inline __m256 even_k(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
+inline __m256 odd_k(__m256i words, __m256i high) { return _mm256_castsi256_ps(_mm256_and_si256(words, high)); }
+
+// 8 fp32 -> 8 bf16, rounded to nearest even as c10::BFloat16 rounds (a NaN stays a NaN).
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// Channels [0, 8) and [8, 16) of a row (lo, hi) rounded to bf16, the first `cols` stored.
+inline void store_row16(at::BFloat16* out, __m256 lo, __m256 hi, int64_t cols) {
+  if (cols >= 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), to_bf16x8(lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16x8(hi));
+    return;
+  }
+  alignas(16) at::BFloat16 row[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(row), to_bf16x8(lo));
+  _mm_store_si128(reinterpret_cast<__m128i*>(row + 8), to_bf16x8(hi));
+  std::copy(row, row + cols, out);
+}
+
+// MT (<= kAvx2FewRows) rows of fp32 x (row stride k) against NB blocks of 16 channels read from the
+// packed panels (blocks k * 16 apart) over the whole K. One row of one block keeps k even's and k
+// odd's products apart (4 chains hide the FMA's latency).
+template <int MT, int NB>
+void avx2_few_rows(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* out, int64_t ldo, int64_t cols) {
+  constexpr int P = MT == 1 && NB == 1 ? 2 : 1;
+  __m256 acc[MT][NB][2][P];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      #pragma GCC unroll 8
+      for (int h = 0; h < 2; ++h)
+        #pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) acc[i][j][h][p] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const int64_t k2 = k / 2;
+  for (int64_t s = 0; s < k2; ++s) {
+    __m256 e[NB][2], o[NB][2];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      #pragma GCC unroll 8
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k * 16 + s * 32 + h * 16));
+        e[j][h] = even_k(v), o[j][h] = odd_k(v, high);
+      }
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * k + 2 * s);
+      const __m256 xo = _mm256_broadcast_ss(x + i * k + 2 * s + 1);
+      #pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j)
+        #pragma GCC unroll 8
+        for (int h = 0; h < 2; ++h) {
+          acc[i][j][h][0] = _mm256_fmadd_ps(xe, e[j][h], acc[i][j][h][0]);
+          acc[i][j][h][P - 1] = _mm256_fmadd_ps(xo, o[j][h], acc[i][j][h][P - 1]);
+        }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      __m256 lo = acc[i][j][0][0], hi = acc[i][j][1][0];
+      if constexpr (P == 2) lo = _mm256_add_ps(lo, acc[i][j][0][1]), hi = _mm256_add_ps(hi, acc[i][j][1][1]);
+      if (cols - j * 16 > 0) store_row16(out + i * ldo + j * 16, lo, hi, cols - j * 16);
+    }
+}
+
+// A block's packed panel ([k / 2][16][2] bf16) widened to fp32 [k][16]: row kk is channel 0..15's
+// weight at kk.
+void widen_panel(const at::BFloat16* w, int64_t k, float* panel) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t s = 0; s < k / 2; ++s)
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32 + h * 16));
+      _mm256_storeu_ps(panel + (2 * s) * 16 + h * 8, even_k(v));
+      _mm256_storeu_ps(panel + (2 * s + 1) * 16 + h * 8, odd_k(v, high));
+    }
+}
+
+// MT (<= 6) rows of fp32 x against one block's fp32 panel: MT x 16 accumulators, a k at a time.
+template <int MT>
+void avx2_panel_rows(const float* x, int64_t k, const float* panel, at::BFloat16* out, int64_t ldo, int64_t cols) {
+  __m256 acc[MT][2];
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256 w0 = _mm256_loadu_ps(panel + kk * 16), w1 = _mm256_loadu_ps(panel + kk * 16 + 8);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * k + kk);
+      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) store_row16(out + i * ldo, acc[i][0], acc[i][1], cols);
+}
+
+// Rows a chunk runs against one block: their fp32 x (~192 KiB) stays in the thread's L2 beside the
+// block's fp32 panel.
+inline int64_t avx2_row_block(int64_t k) { return std::max<int64_t>(6, (192 << 10) / (4 * k) / 6 * 6); }
+
+// x widened to fp32 (threads take rows), then the chunks in row-block order, a contiguous share a
+// thread (dynamic_for.h): (row block, block of 16 channels) for many rows, pairs of blocks for few.
+void gemm_avx2(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* out, int64_t m, int64_t k,
+               int64_t n) {
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * k; i < hi * k; ++i) xf[i] = static_cast<float>(x[i]);
+  });
+  const int64_t blocks = (n + 15) / 16;
+  if (m <= kAvx2FewRows) {
+    // NB = 2 (two weight streams a thread) where the accumulators leave registers for it.
+    const int64_t nb = m <= 2 ? 2 : 1, units = (blocks + nb - 1) / nb;
+    dynamic_for(
+        units, [] {},
+        [&](int64_t c) {
+          const int64_t b = nb * c, col = b * 16;
+          const at::BFloat16* w = packed + b * k * 16;
+          const bool two = nb == 2 && b + 1 < blocks;
+          for (int64_t r = 0; r < m; r += 4) {
+            const float* xr = xf.data() + r * k;
+            at::BFloat16* o = out + r * n + col;
+            switch (std::min<int64_t>(4, m - r)) {
+              case 1: two ? avx2_few_rows<1, 2>(xr, k, w, o, n, n - col) : avx2_few_rows<1, 1>(xr, k, w, o, n, n - col); break;
+              case 2: two ? avx2_few_rows<2, 2>(xr, k, w, o, n, n - col) : avx2_few_rows<2, 1>(xr, k, w, o, n, n - col); break;
+              case 3: avx2_few_rows<3, 1>(xr, k, w, o, n, n - col); break;
+              default: avx2_few_rows<4, 1>(xr, k, w, o, n, n - col);
+            }
+          }
+        },
+        [] {});
+    return;
+  }
+  const int64_t rows = avx2_row_block(k), row_blocks = (m + rows - 1) / rows;
+  dynamic_for(
+      row_blocks * blocks, [] {},
+      [&](int64_t c) {
+        const int64_t r0 = c / blocks * rows, r1 = std::min(m, r0 + rows), b = c % blocks, col = b * 16;
+        thread_local std::vector<float> panel;
+        panel.resize(static_cast<size_t>(k * 16));
+        widen_panel(packed + b * k * 16, k, panel.data());
+        for (int64_t r = r0; r < r1; r += 6) {
+          const float* xr = xf.data() + r * k;
+          at::BFloat16* o = out + r * n + col;
+          switch (std::min<int64_t>(6, r1 - r)) {
+            case 1: avx2_panel_rows<1>(xr, k, panel.data(), o, n, n - col); break;
+            case 2: avx2_panel_rows<2>(xr, k, panel.data(), o, n, n - col); break;
+            case 3: avx2_panel_rows<3>(xr, k, panel.data(), o, n, n - col); break;
+            case 4: avx2_panel_rows<4>(xr, k, panel.data(), o, n, n - col); break;
+            case 5: avx2_panel_rows<5>(xr, k, panel.data(), o, n, n - col); break;
+            default: avx2_panel_rows<6>(xr, k, panel.data(), o, n, n - col);
+          }
+        }
+      },
+      [] {});
+}
+#endif
+
 // x [M, K] and out [M, width] as both entry points take them.
 void check_rows(const at::Tensor& x, const at::Tensor& out, const char* width) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
@@ -313,6 +501,14 @@ void check_rows(const at::Tensor& x, const at::Tensor& out, const char* width) {
 }  // namespace
 
 bool bf16_gemm_available() {
+#if defined(BATON_BF16_GEMM) || defined(BATON_BF16_GEMM_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_avx512_bf16() {
 #ifdef BATON_BF16_GEMM
   return true;
 #else
@@ -379,8 +575,11 @@ void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   }
 #endif
   gemm(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), m, k, n);
+#elif defined(BATON_BF16_GEMM_AVX2)
+  if (m == 0) return;
+  gemm_avx2(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), m, k, n);
 #else
-  TORCH_CHECK_VALUE(false, "bf16_gemm needs AVX512-BF16 (bf16_gemm_available() is false here)");
+  TORCH_CHECK_VALUE(false, "bf16_gemm needs AVX512-BF16 or AVX2 (bf16_gemm_available() is false here)");
 #endif
 }
 

@@ -52,7 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_starts"), py::arg("group_blocks"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "Whether the AVX-512 path was compiled in");
-  m.def("bf16_gemm_available", &bf16_gemm_available, "Whether bf16_gemm's AVX512-BF16 kernel was compiled in");
+  m.def("bf16_gemm_available", &bf16_gemm_available,
+        "Whether bf16_gemm was compiled in: AVX512-BF16 (AMX too where the build has it), or AVX2's fp32 FMAs");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether the build targets a CPU with AVX512-BF16 (vdpbf16ps)");
   m.def("has_amx_bf16", &has_amx_bf16, "Whether the build targets a CPU with AMX-BF16 tiles");
   m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops,
         "GFLOP/s of independent vdpbf16ps chains on every thread (0 without AVX512-BF16)",

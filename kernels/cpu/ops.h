@@ -60,6 +60,7 @@ void int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 
 // bf16_gemm.cpp
 bool bf16_gemm_available();
+bool has_avx512_bf16();
 bool has_amx_bf16();
 double bf16_dot_peak_gflops(int64_t rounds);
 void bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out);

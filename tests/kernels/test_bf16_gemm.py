@@ -1,5 +1,5 @@
-"""Baton's AVX512-BF16 GEMM (``cpu_ops.bf16_gemm``) against the exact product, and where the model
-runs it."""
+"""Baton's bf16 GEMM (``cpu_ops.bf16_gemm``: vdpbf16ps or AMX tiles with AVX512-BF16, fp32 FMAs
+with AVX2) against the exact product, and where the model runs it."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ def _cpu_flags() -> set[str]:
 
 
 HAS_AVX512_BF16 = "avx512_bf16" in _cpu_flags()
+# The kernel's CPUs: AVX512-BF16, or AVX2 with FMA (the weights widened to fp32 on the way in).
+HAS_KERNEL = HAS_AVX512_BF16 or {"avx2", "fma"} <= _cpu_flags()
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+@pytest.mark.skipif(not HAS_KERNEL, reason="bf16_gemm's kernel needs AVX512-BF16 or AVX2")
 # (M, N, K): one row; a row tile (6) and a ragged one; SmolLM2's qkv and down shapes at a decode
 # batch; N not a multiple of 16 nor of a column tile; the LM head's width. From 16 rows with K a
 # multiple of 32 the AMX tiles run where the build has them: one row tile, a ragged pair, an odd
@@ -50,7 +52,7 @@ def test_bf16_gemm_is_the_exact_product_rounded_once(m, n, k):
     _check_product(m, n, k, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+@pytest.mark.skipif(not HAS_KERNEL, reason="bf16_gemm's kernel needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("m,n,k", [(1, 576, 1536), (64, 960, 576), (1030, 1040, 96), (3, 16, 32)])
 def test_any_number_of_threads_gives_the_same_bits(m, n, k):
     """The column units go to the threads in shares that a thread finishing early takes from
@@ -83,7 +85,7 @@ def test_any_number_of_threads_gives_the_same_bits(m, n, k):
         assert torch.equal(gated[0].view(torch.int16), other.view(torch.int16))
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+@pytest.mark.skipif(not HAS_KERNEL, reason="bf16_gemm's kernel needs AVX512-BF16 or AVX2")
 def test_a_large_output_not_on_a_64_byte_boundary_is_still_written_whole():
     m, n = 1100, 1024  # large enough for streaming stores, which need aligned lines
     storage = torch.full((m * n + 1,), float("nan"), dtype=torch.bfloat16)
@@ -124,10 +126,12 @@ def test_bf16_gemm_refuses_bad_inputs():
         cpu_ops.bf16_gemm(torch.randn(2, 8), packed, torch.empty(2, 20, dtype=torch.bfloat16))
 
 
-def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_amx_or_not(monkeypatch):
+def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_amx_avx2_or_not(monkeypatch):
     from baton.common.model.llama import Bf16GemmWeight, Linear, OneDNNWeight, own_bf16_gemm
+    from baton.kernels import cpu_ops
 
-    expected = "avx512_bf16" in _cpu_flags()
+    expected = HAS_KERNEL
+    assert cpu_ops.has_avx512_bf16() == HAS_AVX512_BF16
     assert own_bf16_gemm() == expected
     monkeypatch.setenv("BATON_BF16_GEMM", "onednn")
     assert not own_bf16_gemm()
@@ -146,13 +150,16 @@ def test_the_model_runs_the_kernel_where_the_cpu_has_avx512_bf16_amx_or_not(monk
 
 
 def test_the_environment_chooses_the_kernel(monkeypatch):
-    from baton.common.model.llama import own_bf16_gemm, prepack_weight
+    from baton.common.model.llama import Bf16GemmWeight, own_bf16_gemm, prepack_weight
     from baton.kernels import cpu_ops
 
     w = torch.randn(32, 64).bfloat16()
     monkeypatch.setenv("BATON_BF16_GEMM", "onednn")
     assert not own_bf16_gemm()
-    assert type(prepack_weight(w)).__name__ == "OneDNNWeight"
+    # oneDNN's layout, or the plain weight where oneDNN has no bf16 product (AVX2 only)
+    assert not isinstance(prepack_weight(w), Bf16GemmWeight)
+    if HAS_AVX512_BF16:
+        assert type(prepack_weight(w)).__name__ == "OneDNNWeight"
     monkeypatch.setenv("BATON_BF16_GEMM", "baton")
     assert own_bf16_gemm() == cpu_ops.bf16_gemm_available()
     monkeypatch.setenv("BATON_BF16_GEMM", "fastest")
@@ -160,7 +167,7 @@ def test_the_environment_chooses_the_kernel(monkeypatch):
         own_bf16_gemm()
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="bf16_gemm's kernel needs AVX512-BF16")
+@pytest.mark.skipif(not HAS_KERNEL, reason="bf16_gemm's kernel needs AVX512-BF16 or AVX2")
 # (M, I, K): one row (a decode step), a row tile and a ragged pair, SmolLM2's MLP at a decode batch
 # and a prefill chunk's rows; K not a multiple of 32 and I not a multiple of 16 take the two kernels
 # in turn.

@@ -184,7 +184,7 @@ def test_the_bench_reports_each_kernels_rate_against_the_bf16_peak():
     r = run(requests=4, shared_len=64, suffix_len=8, dtype="bfloat16", iters=2, step=False)
     assert r.attention_gflop == round(4 * 9 * 64 * 4 * (64 + 8 + 1) / 1e9, 4)
     assert r.plain_gflops > 0 and r.cascade_gflops > 0
-    if cpu_ops.bf16_gemm_available() and not cpu_ops.has_amx_bf16():
+    if cpu_ops.has_avx512_bf16() and not cpu_ops.has_amx_bf16():
         # vdpbf16ps: 64 flops an instruction; at least 1 GFLOP/s on any thread count here.
         assert r.bf16_peak_gflops is not None and r.bf16_peak_gflops > 1.0
         # the most an exact kernel can gain: the peak over the plain kernel's rate
@@ -198,7 +198,7 @@ def test_the_bench_reports_each_kernels_rate_against_the_bf16_peak():
 def test_the_peak_probe_is_zero_without_the_instruction_and_scales_with_rounds():
     from baton.kernels import cpu_ops
 
-    if not cpu_ops.bf16_gemm_available():
+    if not cpu_ops.has_avx512_bf16():
         assert cpu_ops.bf16_dot_peak_gflops(1000) == 0.0
         return
     rate = cpu_ops.bf16_dot_peak_gflops(200_000)

@@ -29,12 +29,15 @@ def test_probe_picks_the_dtype_whose_request_costs_least():
 
 
 def test_the_dtype_is_the_cpus_where_its_flags_say(monkeypatch):
-    """An AVX2-only AMD EPYC (bf16 matmul ~1 GFLOP/s, fp32 ~140) gets fp32; an AVX512-BF16, AMX or
-    Arm BF16 CPU bf16; only a CPU whose flags cannot be read times both."""
+    """An AVX2-only AMD EPYC (oneDNN's bf16 matmul ~1 GFLOP/s, fp32 ~140) gets bf16 for Baton's GEMM
+    to widen into fp32 FMAs, as an AVX512-BF16, AMX or Arm BF16 CPU gets it for its instruction; a
+    CPU with neither fp32; only a CPU whose flags cannot be read times both."""
     avx2 = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
     for flags, want in [
-        (avx2, ("float32",)),
-        (avx2 | {"avx512f", "avx512_vnni"}, ("float32",)),
+        (avx2, ("bfloat16",)),
+        (avx2 | {"avx512f", "avx512_vnni"}, ("bfloat16",)),
+        ({"fpu", "sse2", "avx"}, ("float32",)),
+        (avx2 - {"fma"}, ("float32",)),
         (avx2 | {"avx512f", "avx512_bf16"}, ("bfloat16",)),
         (avx2 | {"amx_bf16", "amx_tile"}, ("bfloat16",)),
         ({"fp", "asimd", "bf16"}, ("bfloat16",)),
@@ -42,7 +45,7 @@ def test_the_dtype_is_the_cpus_where_its_flags_say(monkeypatch):
     ]:
         monkeypatch.setattr(gemm_probe, "cpu_flags", lambda flags=flags: flags)
         assert gemm_probe.auto_dtypes() == want, flags
-    monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: avx2)
+    monkeypatch.setattr(gemm_probe, "cpu_flags", lambda: {"fpu", "sse2", "avx"})
     p = gemm_probe.probe(TINY, threads=1)
     assert p.dtype == "float32" and set(p.request_ms) == {"float32"}
 
