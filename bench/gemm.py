@@ -1,6 +1,6 @@
 """The model's projections per kernel and row count: bf16 as ``llama.Linear`` runs it here
 (``bf16``) and each bf16 kernel by name (``bf16-onednn``: oneDNN's blocked layout; ``bf16-baton``:
-Baton's AVX512-BF16 GEMM, where compiled in), W8A8 int8 in Baton's fused VNNI kernel and in
+Baton's bf16 GEMM, AVX512-BF16/AMX or AVX2's fp32 FMAs, where compiled in), W8A8 int8 in Baton's fused VNNI kernel and in
 oneDNN's, weight-only int8 (the kernels ``quant.Int8Linear`` chooses from), fp32 for reference.
 
     .venv/bin/python -m baton.bench.gemm --rows 1,8,64,256,2048 --threads 2 --output-json gemm.json

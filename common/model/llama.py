@@ -69,9 +69,10 @@ class OneDNNWeight(PackedWeight):
 
 
 class Bf16GemmWeight(PackedWeight):
-    """Baton's AVX512-BF16 layout (``cpu_ops.bf16_gemm``; AMX tiles read it too): on a 2-core Zen 4
-    EPYC it streams a decode step's weights 1.3-2.3x faster than oneDNN (1-16 rows) and equals it
-    from 64 rows; on a 2-core Xeon with AMX 1.4-1.5x faster (1-64 rows) and equal from 256."""
+    """Baton's AVX512-BF16 layout (``cpu_ops.bf16_gemm``; AMX tiles read it too, and AVX2's fp32
+    FMAs after widening): on a 2-core Zen 4 EPYC it streams a decode step's weights 1.3-2.3x faster
+    than oneDNN (1-16 rows) and equals it from 64 rows; on a 2-core Xeon with AMX 1.4-1.5x faster
+    (1-64 rows) and equal from 256; on a 2-core AVX2-only EPYC 1.2-3.7x faster than fp32 MKL."""
 
     def __init__(self, weight: torch.Tensor):
         from baton.kernels import cpu_ops
@@ -103,7 +104,8 @@ class Bf16GemmWeight(PackedWeight):
 
 def own_bf16_gemm() -> bool:
     """Whether bf16 weights go to Baton's kernel rather than oneDNN: wherever it was compiled in
-    (AVX512-BF16; on a CPU with AMX-BF16 it runs the same packed weights on the tiles). It reads a
+    (AVX512-BF16; on a CPU with AMX-BF16 it runs the same packed weights on the tiles; on AVX2 it
+    widens them into fp32 FMAs, where oneDNN has no bf16 product at all). It reads a
     decode step's weights at ~29-30 GB/s where oneDNN's small-M products read ~13-20 (Zen 4; a Xeon
     with AMX) and ties with oneDNN from 64-256 rows (``kernels/cpu/bf16_gemm.cpp``).
     ``BATON_BF16_GEMM=onednn`` keeps oneDNN anyway (to compare the two); ``baton`` is the default

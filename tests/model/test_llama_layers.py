@@ -22,7 +22,8 @@ PROMPTS = [
 the others' decodes; 4 decode rows run unpadded, and a batch of 70 rows is padded to 80."""
 
 needs_bf16_gemm = pytest.mark.skipif(
-    not cpu_ops.bf16_gemm_available(), reason="bf16 projections use Baton's packed GEMM only with AVX512-BF16"
+    not cpu_ops.bf16_gemm_available(),
+    reason="bf16 projections use Baton's packed GEMM only with AVX512-BF16 or AVX2",
 )
 
 
