@@ -31,11 +31,12 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include "attention_common.h"
+#include "attention_avx2.h"
 #include "sleef_exp.h"
 
 namespace {
@@ -50,105 +51,6 @@ inline int64_t decode_first_block(const Params& p, int64_t b) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
-// ---------------------------------------------------------------------------------------------
-// The portable loop's chunk on AVX2 for D = 64 or 128: the chunk's K and V rows widened to fp32
-// once for all G heads, each head's 8 token scores in one vector (a reduction tree of hadds), their
-// exps in one 8-lane SLEEF expf, V accumulated 8 dims a vector. Without it W1 on a 2-core AVX2-only
-// EPYC spent ~17% of its samples in the scalar per-token loop.
-#define BATON_DECODE_AVX2 1
-
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// SLEEF expf_u10 (sleef_exp.h's sleef_expf), 8 lanes; below -104 it gives 0 (-inf included).
-inline __m256 sleef_expf8(__m256 d) {
-  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(kR_LN2f)));
-  const __m256 qf = _mm256_cvtepi32_ps(q);
-  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2Uf), d);
-  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2Lf), s);
-  __m256 u = _mm256_set1_ps(kExpC0);
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC1));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC2));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC3));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC4));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC5));
-  u = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
-  const __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
-  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, _mm256_set1_epi32(0x7f)), 23));
-  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, _mm256_set1_epi32(0x7f)), 23));
-  u = _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
-  return _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.f), _CMP_LT_OQ), u);  // NaN-free here
-}
-
-// The 8 lanes' sums of a[0..7], lane j = sum of a[j].
-inline __m256 sum8x8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
-// n (<= 8) tokens, rows D apart, against G heads' fp32 q ([G][D]) and state (acc [G][D], m, l).
-template <int D, typename T>
-void decode_chunk_avx2(const T* kchunk, const T* vchunk, int64_t n, const float* qf, int64_t G, float scale,
-                       float* acc, float* m, float* l) {
-  constexpr int V = D / 8;
-  alignas(32) float kf[8][D];
-  alignas(32) float vf[8][D];
-  for (int64_t j = 0; j < n; ++j)
-    for (int v = 0; v < V; ++v) {
-      _mm256_store_ps(kf[j] + 8 * v, widen8(kchunk + j * D + 8 * v));
-      _mm256_store_ps(vf[j] + 8 * v, widen8(vchunk + j * D + 8 * v));
-    }
-  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 live = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = qf + g * D;
-    __m256 part[8];
-    for (int j = 0; j < 8; ++j) {
-      __m256 a = _mm256_setzero_ps();
-      if (j < n)
-        for (int v = 0; v < V; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), _mm256_load_ps(kf[j] + 8 * v), a);
-      part[j] = a;
-    }
-    const __m256 s = _mm256_blendv_ps(ninf, _mm256_mul_ps(sum8x8(part), _mm256_set1_ps(scale)), live);
-    const float m_new = std::max(m[g], hmax8(s));
-    const float alpha = std::exp(m[g] - m_new);
-    alignas(32) float pe[8];
-    const __m256 e = sleef_expf8(_mm256_sub_ps(s, _mm256_set1_ps(m_new)));
-    _mm256_store_ps(pe, e);
-    l[g] = l[g] * alpha + hsum8(e);
-    m[g] = m_new;
-    float* ag = acc + g * D;
-    const __m256 al = _mm256_set1_ps(alpha);
-    for (int v = 0; v < V; ++v) {
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * v), al);
-      for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(pe[j]), _mm256_load_ps(vf[j] + 8 * v), a);
-      _mm256_storeu_ps(ag + 8 * v, a);
-    }
-  }
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Portable loop: any G and D, up to kGenericChunk tokens of one block at a time: their scores, one
@@ -189,13 +91,13 @@ void decode_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<flo
   const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
   for (int64_t t = decode_first_block<FROM_STATE>(p, b) * bs; t < len;) {
     const int64_t blk = bt[t / bs], off = t % bs;
-#ifdef BATON_DECODE_AVX2
+#ifdef BATON_VEC8
     if (D == 64 || D == 128) {
       const int64_t n8 = std::min({int64_t{8}, bs - off, len - t});
       const T* k8 = kbase + blk * p.k_bstride + off * D;
       const T* v8 = vbase + blk * p.v_bstride + off * D;
-      if (D == 64) decode_chunk_avx2<64>(k8, v8, n8, qf, G, p.scale, acc, m, l);
-      else decode_chunk_avx2<128>(k8, v8, n8, qf, G, p.scale, acc, m, l);
+      if (D == 64) attend_chunk_avx2<64>(k8, v8, n8, qf, G, p.scale, acc, m, l);
+      else attend_chunk_avx2<128>(k8, v8, n8, qf, G, p.scale, acc, m, l);
       t += n8;
       continue;
     }

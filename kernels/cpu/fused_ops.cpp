@@ -47,6 +47,7 @@
 
 #include "ops.h"
 #include "sleef_exp.h"
+#include "vec8.h"
 #include "vec16.h"
 
 namespace {
@@ -229,7 +230,21 @@ void silu_mul_rows(const T* gu, int64_t g_stride, T* out, int64_t o_stride, int6
         store16(o + j, silu_mul16<T>(load16(gate + j, m), load16(up + j, m)), m);
       }
 #else
-      for (int64_t j = 0; j < I; ++j) {
+      int64_t j = 0;
+#ifdef BATON_VEC8
+      // 8 lanes of the same arithmetic as the scalar loop below (sleef_expf8 gives sleef_expf's
+      // bits): ~8% of W1's samples on a 2-core AVX2-only EPYC went to the scalar loop.
+      if constexpr (!std::is_same_v<T, c10::Half>) {
+        for (; j + 8 <= I; j += 8) {
+          const __m256 g = widen8(gate + j);
+          const __m256 e = sleef_expf8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));
+          __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) s = round_bf16_8(s);
+          store8(o + j, _mm256_mul_ps(s, widen8(up + j)));
+        }
+      }
+#endif
+      for (; j < I; ++j) {
         const float g = to_float(gate[j]);
         const float s = round_to<T>(g / (1.f + sleef_expf(-g)));
         o[j] = from_float<T>(s * to_float(up[j]));

@@ -1,4 +1,4 @@
-// SLEEF's expf_u10 (the exp of torch's Vectorized<float>) in scalar and 16-lane forms, and silu
+// SLEEF's expf_u10 (the exp of torch's Vectorized<float>) in scalar, 8-lane (AVX2) and 16-lane forms, and silu
 // as torch's vectorized kernel computes it, for the kernels that must give torch's bits:
 // fused_ops.cpp (silu_mul) and bf16_gemm.cpp (the gate/up product with silu_mul in its epilogue).
 //
@@ -14,6 +14,10 @@
 #include <limits>
 
 #include "vec16.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -54,6 +58,31 @@ inline float sleef_expf(float d) {
   const int32_t q1 = q >> 1;
   return u * pow2i(q1) * pow2i(q - q1);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// SLEEF expf_u10 (see sleef_expf), 8 lanes: 0 below -104 (-inf included), inf above 100.
+inline __m256 sleef_expf8(__m256 d) {
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(kR_LN2f)));
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2Uf), d);
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-kL2Lf), s);
+  __m256 u = _mm256_set1_ps(kExpC0);
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC1));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC2));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC3));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC4));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kExpC5));
+  u = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+  // u * 2^(q>>1) * 2^(q - (q>>1)), as sleef_expf
+  const __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, _mm256_set1_epi32(0x7f)), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, _mm256_set1_epi32(0x7f)), 23));
+  u = _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
+  u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.f), _CMP_LT_OQ), u);
+  return _mm256_blendv_ps(u, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                          _mm256_cmp_ps(d, _mm256_set1_ps(100.f), _CMP_GT_OQ));
+}
+#endif
 
 #ifdef BATON_VEC16
 // 16 lanes rounded to the model dtype and back (bf16: as to_bf16 rounds; fp32: unchanged).
