@@ -127,7 +127,7 @@ LEVEL_CHECK = textwrap.dedent(
     got = cpu_ops.paged_decode_attention(q, k, v, tables, lens, 0.125)
     want = reference.paged_decode_attention_ref(q, k, v, tables, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    print(f"bf16_gemm={cpu_ops.bf16_gemm_available()}")
+    print(f"bf16_gemm={cpu_ops.bf16_gemm_available()} avx512_bf16={cpu_ops.has_avx512_bf16()}")
     """
 )
 
@@ -172,7 +172,10 @@ def test_a_portable_level_is_imported_by_a_cpu_that_runs_it_and_nothing_is_writt
         env={**os.environ, "BATON_KERNEL_CACHE": str(cache), "BATON_KERNEL_ISA": ""},
     )
     assert run.returncode == 0, run.stderr
-    name, flag = run.stdout.split()
+    name, gemm, dot = run.stdout.split()
     assert name == Path(library).name
-    assert flag == "bf16_gemm=False", "an avx2 build carries no AVX512-BF16 kernel"
+    # The bf16 GEMM on AVX2's fp32 FMAs, and no vdpbf16ps.
+    assert (gemm, dot) == ("bf16_gemm=True", "avx512_bf16=False"), (
+        "an avx2 build: the bf16 GEMM on fp32 FMAs only"
+    )
     assert _snapshot(cache) == before, "importing a build wrote into the cache"
