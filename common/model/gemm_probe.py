@@ -50,8 +50,8 @@ BF16_WIDENED_FLAGS = ("avx2", "fma")
 """Where none of ``BF16_DOT_FLAGS`` is there but these are (x86's AVX2 CPUs: AMD Zen 2 and 3, Intel
 Haswell to Alder Lake), bf16 still wins: Baton's GEMM (``kernels/cpu/bf16_gemm.cpp``) widens the
 bf16 weights into fp32 FMAs as it streams them, half fp32's bytes. Every kernel build (each ISA
-level of ``kernels/isa.py``) has it. On a 2-core AVX2-only EPYC (Zen 3), W1 ~328 tokens/s against
-fp32's 265, batch-1 13.2-13.5 ms a token against 47.7, perplexity 1.0019x fp32's (2026-12-06,
+level of ``kernels/isa.py``) has it. On a 2-core AVX2-only EPYC (Zen 3), W1 418-453 tokens/s
+against fp32's 265, batch-1 13.2-14.8 ms a token against 47.7, perplexity 1.0019x fp32's (2026-12-06,
 ``docs/benchmarks.md``)."""
 PREFILL_ROWS = 256
 DECODE_ROWS = 8
