@@ -61,5 +61,26 @@ void attend_chunk_avx2(const T* kchunk, const T* vchunk, int64_t n, const float*
   }
 }
 
+
+// Keys [t, end) of a paged (sequence, kv head) (block table bt; rows D apart inside a block) in
+// chunks of up to 8 that do not cross a block. Returns false, doing nothing, where D is not one
+// this chunk is compiled for (the caller runs its portable loop).
+template <typename T>
+bool attend_keys_avx2(const T* kbase, const T* vbase, const int32_t* bt, int64_t k_bstride, int64_t v_bstride,
+                      int64_t bs, int64_t D, int64_t t, int64_t end, const float* qf, int64_t G, float scale,
+                      float* acc, float* m, float* l) {
+  if (D != 64 && D != 128) return false;
+  while (t < end) {
+    const int64_t blk = bt[t / bs], off = t % bs;
+    const int64_t n = std::min({int64_t{8}, bs - off, end - t});
+    const T* k8 = kbase + blk * k_bstride + off * D;
+    const T* v8 = vbase + blk * v_bstride + off * D;
+    if (D == 64) attend_chunk_avx2<64>(k8, v8, n, qf, G, scale, acc, m, l);
+    else attend_chunk_avx2<128>(k8, v8, n, qf, G, scale, acc, m, l);
+    t += n;
+  }
+  return true;
+}
+
 }  // namespace
 #endif

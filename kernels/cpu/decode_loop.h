@@ -51,7 +51,6 @@ inline int64_t decode_first_block(const Params& p, int64_t b) {
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Portable loop: any G and D, up to kGenericChunk tokens of one block at a time: their scores, one
 // rescale of the state a chunk, and the chunk's exps in one vectorizable loop (SLEEF's expf, as
@@ -89,19 +88,15 @@ void decode_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<flo
   const int32_t* bt = p.block_tables + b * p.bt_stride;
   const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
   const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
-  for (int64_t t = decode_first_block<FROM_STATE>(p, b) * bs; t < len;) {
-    const int64_t blk = bt[t / bs], off = t % bs;
+  const int64_t first = decode_first_block<FROM_STATE>(p, b) * bs;
 #ifdef BATON_VEC8
-    if (D == 64 || D == 128) {
-      const int64_t n8 = std::min({int64_t{8}, bs - off, len - t});
-      const T* k8 = kbase + blk * p.k_bstride + off * D;
-      const T* v8 = vbase + blk * p.v_bstride + off * D;
-      if (D == 64) attend_chunk_avx2<64>(k8, v8, n8, qf, G, p.scale, acc, m, l);
-      else attend_chunk_avx2<128>(k8, v8, n8, qf, G, p.scale, acc, m, l);
-      t += n8;
-      continue;
-    }
+  const bool done =
+      attend_keys_avx2(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, D, first, len, qf, G, p.scale, acc, m, l);
+#else
+  constexpr bool done = false;
 #endif
+  for (int64_t t = done ? len : first; t < len;) {
+    const int64_t blk = bt[t / bs], off = t % bs;
     const int64_t n = std::min({kGenericChunk, bs - off, len - t});
     const T* kchunk = kbase + blk * p.k_bstride + off * D;  // the chunk's rows, D apart
     const T* vchunk = vbase + blk * p.v_bstride + off * D;

@@ -61,18 +61,8 @@ inline void prefill_row_generic(const Params& p, const int32_t* bt, const T* kba
   m = -std::numeric_limits<float>::infinity();
   l = 0.f;
 #ifdef BATON_VEC8
-  if (D == 64 || D == 128) {  // attention_avx2.h: 8 keys of a block at a time
-    for (int64_t t = 0; t < n_keys;) {
-      const int64_t blk = bt[t / bs], off = t % bs;
-      const int64_t n8 = std::min({int64_t{8}, bs - off, n_keys - t});
-      const T* k8 = kbase + blk * p.k_bstride + off * D;
-      const T* v8 = vbase + blk * p.v_bstride + off * D;
-      if (D == 64) attend_chunk_avx2<64>(k8, v8, n8, qf, 1, p.scale, acc, &m, &l);
-      else attend_chunk_avx2<128>(k8, v8, n8, qf, 1, p.scale, acc, &m, &l);
-      t += n8;
-    }
-    return;
-  }
+  if (attend_keys_avx2(kbase, vbase, bt, p.k_bstride, p.v_bstride, bs, D, 0, n_keys, qf, 1, p.scale, acc, &m, &l))
+    return;  // attention_avx2.h: 8 keys of a block at a time
 #endif
   for (int64_t t = 0; t < n_keys; ++t) {
     const int64_t blk = bt[t / bs], off = t % bs;
