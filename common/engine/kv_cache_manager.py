@@ -55,6 +55,20 @@ class KVCacheManager:
         self.prefix_cache_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now, as ``get_computed_blocks``
+        would find them, without counting a lookup or touching a request: a load estimate that
+        another thread may take while the engine runs (the answer can be a step stale)."""
+        if not self.pool.enable_caching:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit = 0
+        for block_hash in self.hasher.hash_blocks(token_ids[: max_blocks * self.block_size]):
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            hit += 1
+        return hit * self.block_size
+
     def allocate_slots(
         self,
         req: Request,

@@ -270,8 +270,8 @@ class Dispatcher:
             request_id=sub.request_id,
             prompt_token_ids=sub.prompt_token_ids,
             params=params_to_proto(sub.params),
-            prefill_address=prefill.grpc_address if prefill else "",
-            prefill_worker_id=prefill.id if prefill else "",
+            prefill_address=prefill.worker.grpc_address if prefill else "",
+            prefill_worker_id=prefill.worker.id if prefill else "",
         )
         progress, attempts = _Progress(), _Attempts()
         deadline = time.monotonic() + self._timeout_s
@@ -280,7 +280,7 @@ class Dispatcher:
                 # Counted at once, before anything awaits, so that requests picking at the same
                 # moment see this prompt queued there and spread over the prefill workers.
                 queued.enter_context(
-                    self._router.track_prefill(prefill.grpc_address, len(sub.prompt_token_ids))
+                    self._router.track_prefill(prefill.worker.grpc_address, prefill.uncached_tokens)
                 )
             while True:
                 try:

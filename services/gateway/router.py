@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -31,6 +32,15 @@ log = logging.getLogger(__name__)
 
 class NoWorkerError(RuntimeError):
     """No live worker of the role needed is registered."""
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """The prefill worker ``Router.pick_prefill`` chose and the prompt tokens it should compute
+    there (those past the prefix it caches, as the prefix index says)."""
+
+    worker: WorkerInfo
+    uncached_tokens: int
 
 
 class Router:
@@ -99,6 +109,9 @@ class Router:
         self._prefill: list[WorkerInfo] = []
         self._fetched_at = float("-inf")
         self._queued_tokens: Counter[str] = Counter()  # prompt tokens sent to a prefill worker
+        # address -> (when, tokens) of this gateway's prefills that ended there since the registry
+        # read its lists came from started: that read's load figures may still count them.
+        self._prefilled: dict[str, deque[tuple[float, int]]] = {}
         self._refresh: asyncio.Task | None = None
         self._registry_error: Exception | None = None
         """Why the latest registry read failed; None once one succeeds."""
@@ -211,10 +224,15 @@ class Router:
 
         return min(candidates, key=cost)
 
-    async def pick_prefill(self, prompt_token_ids: Sequence[int]) -> WorkerInfo | None:
+    async def pick_prefill(self, prompt_token_ids: Sequence[int]) -> PrefillChoice | None:
         """The prefill worker where the prompt costs least: tokens it would compute (past the
         longest prefix it caches) plus the prompt tokens already queued on it. None when no prefill
-        worker is up (the decode worker then prefills)."""
+        worker is up (the decode worker then prefills).
+
+        A worker's published queue may be a heartbeat old: the prompts this gateway saw finish
+        there since the registry read that carried it are taken off it, so that the next turn of a
+        conversation goes to the worker caching its prefix, not away from it because the worker
+        still reported the turn before as queued."""
         try:
             await self.decode_workers()  # refreshes both lists
         except NoWorkerError:  # nothing read yet: ``pick_decode`` says so, in the API's shape
@@ -225,14 +243,19 @@ class Router:
         cached = await self._cached_tokens(prompt_token_ids)
 
         def cost(w: WorkerInfo) -> tuple[float, str]:
-            queued = max(self._reported(w, "queued_prefill_tokens"), self._queued_tokens[w.grpc_address])
+            address = w.grpc_address
+            reported = self._reported(w, "queued_prefill_tokens") - self._finished_since_read(address)
+            queued = max(reported, self._queued_tokens[address], 0)
             return len(prompt_token_ids) - cached.get(w.id, 0) + queued, w.id
 
-        return min(candidates, key=cost)
+        best = min(candidates, key=cost)
+        return PrefillChoice(best, len(prompt_token_ids) - cached.get(best.id, 0))
 
     @contextmanager
     def track_prefill(self, address: str, num_tokens: int) -> Iterator[None]:
-        """Count ``num_tokens`` as queued on a prefill worker while the block runs."""
+        """Count ``num_tokens`` (``PrefillChoice.uncached_tokens``) as queued on a prefill worker
+        while the block runs (until the prompt's first token); then as finished there, for the
+        registry's figures that may still count them."""
         self._queued_tokens[address] += num_tokens
         try:
             yield
@@ -240,6 +263,21 @@ class Router:
             self._queued_tokens[address] -= num_tokens
             if self._queued_tokens[address] <= 0:
                 del self._queued_tokens[address]
+            self._prefilled.setdefault(address, deque(maxlen=4096)).append((time.monotonic(), num_tokens))
+            self._finished_since_read(address)  # drops what the lists' read already saw
+
+    def _finished_since_read(self, address: str) -> int:
+        """Prompt tokens this gateway's prefills at ``address`` ended with since the registry read
+        that the worker lists come from started."""
+        done = self._prefilled.get(address)
+        if done is None:
+            return 0
+        while done and done[0][0] < self._read_ok_at:
+            done.popleft()
+        if not done:
+            del self._prefilled[address]
+            return 0
+        return sum(n for _, n in done)
 
     async def _cached_tokens(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
         """Worker id -> prompt tokens it caches (longest prefix), or {} without an index, or while

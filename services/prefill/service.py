@@ -42,6 +42,7 @@ class PrefillJob:
     sender: KVSender
     sender_key: str
     computed: int = 0
+    """Prompt tokens computed, the prefix cache's hit counted from the start."""
     next_block: int = 0
     """Index of the first prompt block not yet sent (starts at ``skip_blocks``)."""
     started: float = 0.0
@@ -195,6 +196,9 @@ class PrefillServicer(baton_pb2_grpc.PrefillServicer):
             sender,
             key,
             next_block=call.skip_blocks,
+            # What the prefix cache holds counts as computed from the start: the worker's published
+            # queue is the tokens it has to compute, as the gateway's router estimates them.
+            computed=w.engine.engine.kv.cached_prefix_tokens(call.prompt_token_ids),
         )
         w.jobs[call.request_id] = job
         first = await self._first_token(call, job, context)

@@ -263,3 +263,16 @@ def test_quarantined_blocks_leave_the_prefix_cache():
     assert ids(kv.get_computed_blocks(req("b", PROMPT[:8] + [5]))[0]) == [0]
     kv.release_settled()
     pool.check_integrity()
+
+
+def test_the_cached_prefix_estimate_agrees_with_the_lookup_and_counts_nothing():
+    _, kv = make(8)
+    prefill(kv, req("a", PROMPT))
+    prompts = [PROMPT[:8], PROMPT[:8] + [7], PROMPT + [1, 2], PROMPT[:4] + [1] + PROMPT[5:], [5] * 9, []]
+    queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    estimates = [kv.cached_prefix_tokens(p) for p in prompts]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (queries, hits)
+    assert estimates == [kv.get_computed_blocks(req(f"q{i}", p))[1] for i, p in enumerate(prompts)]
+    assert estimates == [4, 8, 12, 4, 0, 0]
+    _, off = make(8, enable_caching=False)
+    assert off.cached_prefix_tokens(PROMPT + [1]) == 0
