@@ -44,13 +44,7 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return [], 0
         self._extend_hashes(req, req.num_tokens)
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hit: list[KVBlock] = []
-        for block_hash in req.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
+        hit = self._cached_run(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
@@ -62,12 +56,18 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hit = 0
-        for block_hash in self.hasher.hash_blocks(token_ids[: max_blocks * self.block_size]):
-            if self.pool.get_cached_block(block_hash) is None:
+        hashes = self.hasher.hash_blocks(token_ids[: max_blocks * self.block_size])
+        return len(self._cached_run(hashes)) * self.block_size
+
+    def _cached_run(self, hashes) -> list[KVBlock]:
+        """The cached blocks of ``hashes`` up to the first one the cache lacks."""
+        hit: list[KVBlock] = []
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
                 break
-            hit += 1
-        return hit * self.block_size
+            hit.append(block)
+        return hit
 
     def allocate_slots(
         self,
