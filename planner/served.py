@@ -38,7 +38,7 @@ a prediction is later checked on: prompts alone (prefill), batches of streams st
 (decode at batch 1-16), prompts arriving while a batch decodes (the two at once), and steady
 Poisson streams of 256 -> 128-token requests at 60% and 75% of the layout's simulated throughput
 (the mixed steps of continuous batching; at 75% every worker is busy). The fit (``fit_served``)
-searches the four on grids, coarse then fine, for each share of the host cost, minimizing the
+searches the four on grids, coarse once, then fine for each share of the host cost, minimizing the
 squared log error of every request's TTFT and TPOT, the simulator replaying the same trace for
 each candidate. Requests sent together are told apart by order only: within each group of equal
 lengths sent within ``GROUP_S``, predicted and measured values are paired in sorted order (the
@@ -235,68 +235,102 @@ def fit_served(
     (None: the request failed, or had one output token), and the share of the measured host cost
     ``host_ms`` that slows the workers (``HOST_SHARES``; ties go to the whole measurement).
 
-    For each share, the four factors trade against each other along ridges a local search stalls
-    on, so first a coarse search of them all (``COARSE``: every pair of prefill scales, the best
-    decode costs of a coarse grid for each), then, from the best ``STARTS`` coarse points, the decode
-    costs on their fine grid around the point, each prefill scale on its own, and a descent to the
-    best of the 80 neighbours on the four fine grids, until nothing moves. Ties go to the smaller
-    change from the engine profile. ``engine_error`` is the engine profile's alone (no host cost)."""
+    The four factors trade against each other along ridges a local search stalls on, so first a
+    coarse search of them all (``COARSE``: every pair of prefill scales, the best decode costs of a
+    coarse grid for each), once, at the middle share; then, for each share, from the best
+    ``STARTS`` coarse points, the decode costs on their fine grid around the point, each prefill
+    scale on its own, and a descent to the best of its neighbours on the four fine grids, until
+    nothing moves. Where the engine profile's simulation of the trace has no step that prefills
+    beside decodes (a disaggregated layout whose decode workers never prefill), the mixed scale
+    cannot be told and stays the engine's 1. Ties go to the smaller change from the engine profile.
+    ``engine_error`` is the engine profile's alone (no host cost)."""
     if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
         raise ValueError("one measured TTFT and TPOT per row of the trace")
     shares = HOST_SHARES if host_ms > 0 else (0.0,)
-    fits = {share: _search(profile, layout, rows, ttft_ms, tpot_ms, share * host_ms) for share in shares}
+    search = _Search(profile, layout, rows, ttft_ms, tpot_ms)
+    starts = search.coarse(shares[len(shares) // 2] * host_ms)
+    fits = {share: search.fine(starts, share * host_ms) for share in shares}
     share = min(shares, key=lambda k: (fits[k][1], -k))
-    (scale, step, stream, mixed), error = fits[share]
+    scale, step, stream, mixed = (g[i] for g, i in zip(_Search.grids, fits[share][0]))
+    error = fits[share][1]
     engine = log_error(rows, predicted(profile, layout, rows), ttft_ms, tpot_ms)
     return Served(str(layout), scale, step, stream, mixed, share * host_ms, share, error, engine, len(rows))
 
 
-def _search(
-    profile: Profile,
-    layout: Layout,
-    rows: Sequence[Row],
-    ttft_ms: Sequence[float | None],
-    tpot_ms: Sequence[float | None],
-    host_ms: float,
-) -> tuple[tuple[float, float, float, float], float]:
-    """``fit_served``'s search at one host cost: the four factors and their error."""
+class _Search:
+    """``fit_served``'s search: the factors as indices into their grids, each candidate simulated
+    once per host cost."""
+
     grids = (PREFILL_SCALES, STEP_MS, STREAM_MS, PREFILL_SCALES)  # the last: mixed_scale
-    one = PREFILL_SCALES.index(1.0)
-    engine = (one, 0, 0, one)
-    cache: dict[tuple[int, ...], float] = {}
 
-    def value(ix: Sequence[int]) -> float:
-        key = tuple(ix)
-        if key not in cache:
-            factors = (g[i] for g, i in zip(grids, key))
-            pred = predicted(served_profile(profile, *factors, host_ms=host_ms), layout, rows)
-            cache[key] = log_error(rows, pred, ttft_ms, tpot_ms)
-        return cache[key]
+    def __init__(
+        self,
+        profile: Profile,
+        layout: Layout,
+        rows: Sequence[Row],
+        ttft_ms: Sequence[float | None],
+        tpot_ms: Sequence[float | None],
+    ) -> None:
+        self.profile, self.layout, self.rows = profile, layout, rows
+        self.measured = (ttft_ms, tpot_ms)
+        self.one = PREFILL_SCALES.index(1.0)
+        self.engine = (self.one, 0, 0, self.one)
+        self.cache: dict[tuple[float, tuple[int, ...]], float] = {}
+        self.host_ms = 0.0
+        # the mixed scale matters only where some step prefills beside decodes
+        self.mixed = self.value([self.one, 0, 0, self.one]) != self.value(
+            [self.one, 0, 0, len(PREFILL_SCALES) - 1]
+        )
 
-    def prefer(ix: Sequence[int]) -> tuple:
-        return (value(ix), sum(abs(i - j) for i, j in zip(ix, engine)))
+    def value(self, ix: Sequence[int]) -> float:
+        key = (self.host_ms, tuple(ix))
+        if key not in self.cache:
+            factors = (g[i] for g, i in zip(self.grids, ix))
+            pred = predicted(
+                served_profile(self.profile, *factors, host_ms=self.host_ms), self.layout, self.rows
+            )
+            self.cache[key] = log_error(self.rows, pred, *self.measured)
+        return self.cache[key]
 
-    def decode_costs(at: list[int], steps: Sequence[int], streams: Sequence[int]) -> list[int]:
-        best = min(([a, b] for a in steps for b in streams), key=lambda d: prefer([at[0], *d, at[3]]))
+    def prefer(self, ix: Sequence[int]) -> tuple:
+        return (self.value(ix), sum(abs(i - j) for i, j in zip(ix, self.engine)))
+
+    def decode_costs(self, at: list[int], steps: Sequence[int], streams: Sequence[int]) -> list[int]:
+        best = min(([a, b] for a in steps for b in streams), key=lambda d: self.prefer([at[0], *d, at[3]]))
         return [at[0], *best, at[3]]
 
-    scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
-    coarse_steps, coarse_streams = range(0, len(STEP_MS), COARSE[1]), range(0, len(STREAM_MS), COARSE[2])
-    starts = sorted(
-        (decode_costs([k, 0, 0, m], coarse_steps, coarse_streams) for k in scales for m in scales),
-        key=prefer,
-    )[:STARTS]
-    found = []
-    for at in starts:
+    def coarse(self, host_ms: float) -> list[list[int]]:
+        """The best ``STARTS`` points of the coarse grids at ``host_ms``."""
+        self.host_ms = host_ms
+        scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
+        mixed = scales if self.mixed else [self.one]
+        steps, streams = range(0, len(STEP_MS), COARSE[1]), range(0, len(STREAM_MS), COARSE[2])
+        points = [self.decode_costs([k, 0, 0, m], steps, streams) for k in scales for m in mixed]
+        return sorted(points, key=self.prefer)[:STARTS]
+
+    def fine(self, starts: Sequence[list[int]], host_ms: float) -> tuple[tuple[int, ...], float]:
+        """The best point (grid indices) at ``host_ms`` and its error, descending from each of
+        ``starts``."""
+        self.host_ms = host_ms
+        found = [self._descend(list(at)) for at in starts]
+        at = min(found, key=self.prefer)
+        return tuple(at), self.value(at)
+
+    def _descend(self, at: list[int]) -> list[int]:
+        grids, prefer, value = self.grids, self.prefer, self.value
+        mixed = range(len(PREFILL_SCALES)) if self.mixed else [self.one]
         for _ in range(6):
             before = list(at)
             near_steps = range(max(0, at[1] - COARSE[1]), min(len(STEP_MS), at[1] + COARSE[1] + 1))
             near_streams = range(max(0, at[2] - COARSE[2]), min(len(STREAM_MS), at[2] + COARSE[2] + 1))
-            at = decode_costs(at, near_steps, near_streams)
+            at = self.decode_costs(at, near_steps, near_streams)
             at[0] = min(range(len(PREFILL_SCALES)), key=lambda k: prefer([k, *at[1:]]))
-            at[3] = min(range(len(PREFILL_SCALES)), key=lambda k: prefer([*at[:3], k]))
+            at[3] = min(mixed, key=lambda k: prefer([*at[:3], k]))
             while True:
-                near = [[i + d for i, d in zip(at, ds)] for ds in itertools.product((-1, 0, 1), repeat=4)]
+                moves = itertools.product(
+                    (-1, 0, 1), (-1, 0, 1), (-1, 0, 1), (-1, 0, 1) if self.mixed else (0,)
+                )
+                near = [[i + d for i, d in zip(at, ds)] for ds in moves]
                 near = [ix for ix in near if all(0 <= i < len(g) for i, g in zip(ix, grids))]
                 best = min(near, key=lambda ix: (value(ix), ix != at))
                 if best == at:
@@ -304,10 +338,7 @@ def _search(
                 at = best
             if at == before:
                 break
-        found.append(at)
-    at = min(found, key=prefer)
-    scale, step, stream, mixed = (g[i] for g, i in zip(grids, at))
-    return (scale, step, stream, mixed), value(at)
+        return at
 
 
 def _simulator(profile: Profile, layout: Layout, rows: Sequence[Row]) -> Simulator:
