@@ -75,7 +75,24 @@ ensure_torch_index() {
     done
     touch "$STATE/torch-index/.complete"
   fi
-  INDEX_PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # The last run's port where it is free: the port is in the build's TORCH_INDEX_URL, and a build
+  # argument of another value rebuilds every layer from torch's on (~5 min on 2 cores).
+  INDEX_PORT=$("$PY" - "$STATE/torch-index/port" <<'PYEOF'
+import socket, sys
+try:
+    port = int(open(sys.argv[1]).read())
+except (OSError, ValueError):
+    port = 0
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+try:
+    s.bind(("127.0.0.1", port))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])
+PYEOF
+)
+  echo "$INDEX_PORT" >"$STATE/torch-index/port"
   "$PY" -m http.server --bind 127.0.0.1 --directory "$STATE/torch-index" "$INDEX_PORT" >/dev/null 2>&1 &
   INDEX_PID=$!
   trap 'kill $INDEX_PID 2>/dev/null || true' EXIT
@@ -95,12 +112,16 @@ TORCH_VERSION=$("$PY" -c 'import tomllib; d = tomllib.load(open("pyproject.toml"
 ensure_engine
 ensure_base
 ensure_torch_index
-build "$IMAGE" Dockerfile --build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" \
-  ${KERNEL_ISAS:+--build-arg "KERNEL_ISAS=$KERNEL_ISAS"}
+# The builder stage tagged too: untagged, `image prune` below would delete it with the layers a
+# second run reuses (torch, the dependencies, the kernels).
+args=(--build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" ${KERNEL_ISAS:+--build-arg "KERNEL_ISAS=$KERNEL_ISAS"})
+build "baton-test/builder:${IMAGE#*:}" Dockerfile --target builder "${args[@]}"
+build "$IMAGE" Dockerfile "${args[@]}"
 build baton-test/redis:7 tests/containers/images/redis.Dockerfile
 build baton-test/prometheus:1 tests/containers/images/monitoring.Dockerfile --target prometheus
 build baton-test/redis-exporter:1 tests/containers/images/monitoring.Dockerfile --target redis-exporter
-# A rebuild leaves the image it replaced untagged (3-4 GB each): drop those, keep the build cache.
+# A rebuild leaves the images it replaced untagged (3-4 GB each): drop those, keep the tagged ones'
+# layers (the build cache).
 "$(docker_cli)" image prune -f >/dev/null
 echo "BATON_IMAGE=$IMAGE"
 echo "DOCKER=$(docker_cli)"
