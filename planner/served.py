@@ -247,19 +247,30 @@ def fit_served(
     if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
         raise ValueError("one measured TTFT and TPOT per row of the trace")
     shares = HOST_SHARES if host_ms > 0 else (0.0,)
-    search = _Search(profile, layout, rows, ttft_ms, tpot_ms)
-    starts = search.coarse(shares[len(shares) // 2] * host_ms)
-    fits = {share: search.fine(starts, share * host_ms) for share in shares}
+    mixed = _mixed_matters(profile, layout, rows)
+    searches = {
+        share: _Search(profile, layout, rows, ttft_ms, tpot_ms, share * host_ms, mixed) for share in shares
+    }
+    starts = searches[shares[len(shares) // 2]].coarse()
+    fits = {share: search.fine(starts) for share, search in searches.items()}
     share = min(shares, key=lambda k: (fits[k][1], -k))
-    scale, step, stream, mixed = (g[i] for g, i in zip(_Search.grids, fits[share][0]))
-    error = fits[share][1]
+    (scale, step, stream, mixed_scale), error = fits[share]
     engine = log_error(rows, predicted(profile, layout, rows), ttft_ms, tpot_ms)
-    return Served(str(layout), scale, step, stream, mixed, share * host_ms, share, error, engine, len(rows))
+    return Served(
+        str(layout), scale, step, stream, mixed_scale, share * host_ms, share, error, engine, len(rows)
+    )
+
+
+def _mixed_matters(profile: Profile, layout: Layout, rows: Sequence[Row]) -> bool:
+    """Whether the mixed scale changes the simulation of ``rows`` (some step prefills beside
+    decodes): the engine profile against it with the largest mixed scale of the grid."""
+    widest = served_profile(profile, 1.0, 0.0, 0.0, PREFILL_SCALES[-1])
+    return predicted(profile, layout, rows) != predicted(widest, layout, rows)
 
 
 class _Search:
-    """``fit_served``'s search: the factors as indices into their grids, each candidate simulated
-    once per host cost."""
+    """``fit_served``'s search at one host cost: the factors as indices into their grids, each
+    candidate simulated once."""
 
     grids = (PREFILL_SCALES, STEP_MS, STREAM_MS, PREFILL_SCALES)  # the last: mixed_scale
 
@@ -270,22 +281,20 @@ class _Search:
         rows: Sequence[Row],
         ttft_ms: Sequence[float | None],
         tpot_ms: Sequence[float | None],
+        host_ms: float,
+        mixed: bool,
     ) -> None:
-        self.profile, self.layout, self.rows = profile, layout, rows
+        self.profile, self.layout, self.rows, self.host_ms = profile, layout, rows, host_ms
         self.measured = (ttft_ms, tpot_ms)
         self.one = PREFILL_SCALES.index(1.0)
         self.engine = (self.one, 0, 0, self.one)
-        self.cache: dict[tuple[float, tuple[int, ...]], float] = {}
-        self.host_ms = 0.0
-        # the mixed scale matters only where some step prefills beside decodes
-        self.mixed = self.value([self.one, 0, 0, self.one]) != self.value(
-            [self.one, 0, 0, len(PREFILL_SCALES) - 1]
-        )
+        self.mixed = range(len(PREFILL_SCALES)) if mixed else range(self.one, self.one + 1)
+        self.cache: dict[tuple[int, ...], float] = {}
 
     def value(self, ix: Sequence[int]) -> float:
-        key = (self.host_ms, tuple(ix))
+        key = tuple(ix)
         if key not in self.cache:
-            factors = (g[i] for g, i in zip(self.grids, ix))
+            factors = (g[i] for g, i in zip(self.grids, key))
             pred = predicted(
                 served_profile(self.profile, *factors, host_ms=self.host_ms), self.layout, self.rows
             )
@@ -299,39 +308,36 @@ class _Search:
         best = min(([a, b] for a in steps for b in streams), key=lambda d: self.prefer([at[0], *d, at[3]]))
         return [at[0], *best, at[3]]
 
-    def coarse(self, host_ms: float) -> list[list[int]]:
-        """The best ``STARTS`` points of the coarse grids at ``host_ms``."""
-        self.host_ms = host_ms
+    def coarse(self) -> list[list[int]]:
+        """The best ``STARTS`` points of the coarse grids."""
         scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
-        mixed = scales if self.mixed else [self.one]
+        mixed = [m for m in scales if m in self.mixed]  # 1.0 is one of COARSE[0]
         steps, streams = range(0, len(STEP_MS), COARSE[1]), range(0, len(STREAM_MS), COARSE[2])
         points = [self.decode_costs([k, 0, 0, m], steps, streams) for k in scales for m in mixed]
         return sorted(points, key=self.prefer)[:STARTS]
 
-    def fine(self, starts: Sequence[list[int]], host_ms: float) -> tuple[tuple[int, ...], float]:
-        """The best point (grid indices) at ``host_ms`` and its error, descending from each of
-        ``starts``."""
-        self.host_ms = host_ms
-        found = [self._descend(list(at)) for at in starts]
-        at = min(found, key=self.prefer)
-        return tuple(at), self.value(at)
+    def fine(self, starts: Sequence[list[int]]) -> tuple[tuple[float, float, float, float], float]:
+        """The four factors and their error, descending from each of ``starts``."""
+        at = min((self._descend(list(at)) for at in starts), key=self.prefer)
+        scale, step, stream, mixed = (g[i] for g, i in zip(self.grids, at))
+        return (scale, step, stream, mixed), self.value(at)
 
     def _descend(self, at: list[int]) -> list[int]:
         grids, prefer, value = self.grids, self.prefer, self.value
-        mixed = range(len(PREFILL_SCALES)) if self.mixed else [self.one]
         for _ in range(6):
             before = list(at)
             near_steps = range(max(0, at[1] - COARSE[1]), min(len(STEP_MS), at[1] + COARSE[1] + 1))
             near_streams = range(max(0, at[2] - COARSE[2]), min(len(STREAM_MS), at[2] + COARSE[2] + 1))
             at = self.decode_costs(at, near_steps, near_streams)
             at[0] = min(range(len(PREFILL_SCALES)), key=lambda k: prefer([k, *at[1:]]))
-            at[3] = min(mixed, key=lambda k: prefer([*at[:3], k]))
+            at[3] = min(self.mixed, key=lambda k: prefer([*at[:3], k]))
             while True:
-                moves = itertools.product(
-                    (-1, 0, 1), (-1, 0, 1), (-1, 0, 1), (-1, 0, 1) if self.mixed else (0,)
-                )
-                near = [[i + d for i, d in zip(at, ds)] for ds in moves]
-                near = [ix for ix in near if all(0 <= i < len(g) for i, g in zip(ix, grids))]
+                near = [[i + d for i, d in zip(at, ds)] for ds in itertools.product((-1, 0, 1), repeat=4)]
+                near = [
+                    ix
+                    for ix in near
+                    if all(0 <= i < len(g) for i, g in zip(ix, grids)) and ix[3] in self.mixed
+                ]
                 best = min(near, key=lambda ix: (value(ix), ix != at))
                 if best == at:
                     break
