@@ -69,6 +69,11 @@ class Router:
     # goes on with the workers last seen beside those back already. A worker that really left
     # refuses new work, and the request goes to another (or answers 503 as it would have).
     REGISTRY_RESET_HOLD_S = 6.0
+    # A worker list whose latest read started this long ago (a gateway without traffic reads
+    # nothing) is read again before a request routes on it, not beside: the workers' heartbeat
+    # (TTL / 3 = 2 s by default) is as long as a list stays current. While traffic flows, lists
+    # are at most ``refresh_s`` old and no request waits.
+    IDLE_READ_S = 2.0
     # Keepalive on the channels to workers: a worker that stops answering (a hung process, a
     # dropped connection without a reset) fails its calls within ~4 s, also before a stream's first
     # token, when the gateway's progress deadline does not yet apply. The workers' servers allow
@@ -151,10 +156,17 @@ class Router:
 
     async def decode_workers(self) -> list[WorkerInfo]:
         """The decode workers of the last registry read, refreshed in the background once older
-        than ``refresh_s``; waits (bounded) only while there is none to route on."""
+        than ``refresh_s``; waits for the read while there is none to route on (at most
+        ``first_read_timeout_s``), and after the gateway sat idle past ``IDLE_READ_S`` with the
+        registry reachable, when the list may name workers gone since and lack those that came (at
+        most ``lookup_timeout_s``: a Redis that went away meanwhile costs what a lookup would)."""
+        idle = time.monotonic() - self._fetched_at >= max(self._refresh_s, self.IDLE_READ_S)
         refresh = self._refresh_if_stale()
-        if not self._decode and not refresh.done():
-            await asyncio.wait({refresh}, timeout=self._first_read_timeout_s)
+        if not refresh.done():
+            if not self._decode:
+                await asyncio.wait({refresh}, timeout=self._first_read_timeout_s)
+            elif idle and self._registry_error is None:
+                await asyncio.wait({refresh}, timeout=self._lookup_timeout_s)
         if not self._decode and self._registry_error is not None:
             raise NoWorkerError(f"the worker registry is unreachable: {self._registry_error}")
         return self._decode
@@ -167,6 +179,19 @@ class Router:
             task = self._refresh = loop.create_task(self._refresh_decode())
         assert task is not None
         return task
+
+    async def _read_since(self, t: float) -> None:
+        """Until a registry read that started at ``t`` or later has ended (the one in flight, or one
+        started for it), at most ``first_read_timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self._first_read_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            task = self._refresh
+            if task is None or task.done() or task.get_loop() is not loop:
+                if self._fetched_at >= t:
+                    return
+                task = self._refresh = loop.create_task(self._refresh_decode())
+            await asyncio.wait({task}, timeout=left)
 
     async def _refresh_decode(self) -> None:
         started = self._fetched_at = time.monotonic()
@@ -212,6 +237,11 @@ class Router:
         now = time.monotonic()
         self._failed = {a: until for a, until in self._failed.items() if until > now}
         workers = [w for w in await self.decode_workers() if w.grpc_address not in exclude]
+        if not workers and exclude:
+            # Every worker of this list failed the request: a read since may know another (one
+            # that replaced them) before the request is refused.
+            await self._read_since(now)
+            workers = [w for w in self._decode if w.grpc_address not in exclude]
         candidates = [w for w in workers if w.grpc_address not in self._failed] or workers
         if not candidates:
             raise NoWorkerError("no decode worker is available")

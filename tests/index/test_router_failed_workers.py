@@ -52,3 +52,32 @@ def test_the_only_worker_is_tried_again_after_a_failed_stream_not_refused(regist
     assert _pick(router) == "only"
     with pytest.raises(NoWorkerError):  # the request that failed there excludes it itself
         _pick(router, exclude=["127.0.0.1:1003"])
+
+
+def test_a_worker_that_replaced_every_failed_one_is_found_before_the_request_is_refused(registry):
+    """A CI run (stop 42) answered 503 with a decode worker registered: the request's list named
+    only the worker that had left (connection refused), and the read that would have found its
+    successor was in the background."""
+    registry.register(_decode("old", 1004))
+    router = Router(registry, refresh_s=3600.0)  # no routine refresh: only the request's own read
+    assert _pick(router) == "old"
+    registry.deregister("old")
+    registry.register(_decode("new", 1005))
+    assert _pick(router, exclude=["127.0.0.1:1004"]) == "new"
+    registry.deregister("new")
+    with pytest.raises(NoWorkerError):  # a read that finds none left refuses it, as before
+        _pick(router, exclude=["127.0.0.1:1005"])
+
+
+def test_a_gateway_back_from_idle_routes_on_a_list_read_now_and_with_traffic_on_the_one_it_has(registry):
+    registry.register(_decode("first", 1006))
+    router = Router(registry, refresh_s=0.0)
+    assert _pick(router) == "first"
+    registry.deregister("first")
+    registry.register(_decode("second", 1007))
+    # Within IDLE_READ_S of the last read the list at hand routes the request (the read that
+    # replaces it runs beside), so traffic never waits on Redis ...
+    assert _pick(router) == "first"
+    # ... but a list whose last read is older (a gateway without traffic) is read again first.
+    router.IDLE_READ_S = 0.0
+    assert _pick(router) == "second"
