@@ -1,6 +1,7 @@
 """A benchmark that started ``baton up`` (``bench.breakdown.start_cluster``: the cluster in a session
 of its own, which a signal to the benchmark does not reach) and is stopped with SIGTERM unwinds
-through its ``finally`` and stops the cluster: no worker, gateway or Redis of it is left running."""
+through its ``finally`` and stops the cluster: no worker, gateway or Redis of it is left running.
+The cluster serves the tiny Llama (what is tested is the processes' ends, not the model's load)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from tests.e2e.tiny_llama import write_tiny_llama
 from tests.procs import die_with_parent
 
 BENCH = """
@@ -17,7 +19,8 @@ import sys, time
 from pathlib import Path
 from baton.bench.breakdown import start_cluster, stop_cluster
 
-proc, port = start_cluster(("--layout", "colocated:1"), Path(sys.argv[1]), 600.0)
+up = ("--model", sys.argv[2], "--layout", "colocated:1", "--dtype", "float32", "--kv-cache-gib", "0.05")
+proc, port = start_cluster(up, Path(sys.argv[1]), 600.0)
 try:
     print(proc.pid, flush=True)
     time.sleep(600)
@@ -36,7 +39,7 @@ def _alive(pgid: int) -> bool:
 
 def test_sigterm_to_a_benchmark_stops_the_cluster_it_started(tmp_path):
     bench = subprocess.Popen(
-        [sys.executable, "-c", BENCH, str(tmp_path)],
+        [sys.executable, "-c", BENCH, str(tmp_path), str(write_tiny_llama(tmp_path / "tiny"))],
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=die_with_parent,
