@@ -4,7 +4,8 @@ Measures this machine's memory read bandwidth (a 1 GiB ``torch.sum``, repeated, 
 thread and with all of torch's threads: ``torch.sum`` splits a large reduction across its intra-op
 threads, and one core alone reads less than the socket can, 24.6 vs 32.4 GB/s on two Zen 4 cores)
 and its GEMM peaks per dtype, the best of its kernels (``torch.mm`` fp32 and bf16, Baton's own
-AVX512-BF16 GEMM where built, ``torch._int_mm`` int8; 2048³ by default). From them, the floors a model cannot beat here:
+bf16 GEMM where built, ``torch._int_mm`` int8; 2048³ by default, smaller for a kernel too slow to
+measure there within ``GEMM_BUDGET_S``). From them, the floors a model cannot beat here:
 
 - batch-1 decode: every weight is read once per token, so ms/token >= weight bytes / bandwidth;
 - W1 (BENCHMARKS.md: 64 x 256 prompt + 128 output tokens): tokens/s <= tokens / (flops / peak),
@@ -138,6 +139,24 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+GEMM_BUDGET_S = 20.0
+"""About the most one kernel's GEMM measurement may take. A kernel that would take longer at the
+asked size (torch's bf16 ``mm`` on a CPU without a bf16 instruction: ~1.3 GFLOP/s on AVX2, 13 s a
+2048³ product, 2.5 minutes with the repeats) is measured on the largest smaller cube (halving,
+not below 256) that fits, and reported with it: a kernel that slow is compute-bound at any size."""
+
+
+def gemm_gflops(product, size: int, repeats: int, budget_s: float = GEMM_BUDGET_S) -> tuple[float, int]:
+    """(GFLOP/s, the cube's size) of ``product(n)``, a function that makes an n³ product's operands
+    and returns the call to time, at ``size`` or the largest smaller size whose calls (the repeats
+    and a first one) fit ``budget_s`` as a 256³ probe projects them."""
+    probe = min(size, 256)
+    per_flop = _median_s(product(probe), 1) / probe**3
+    while size > 256 and per_flop * size**3 * (repeats + 1) > budget_s:
+        size //= 2
+    return 2.0 * size**3 / _median_s(product(size), repeats) / 1e9, size
+
+
 def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
     """GB/s of ``torch.sum`` over an fp32 tensor of ``nbytes`` with ``threads`` intra-op threads."""
     import torch
@@ -151,32 +170,35 @@ def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def gemm_peak(dtype: str, size: int, repeats: int) -> float | None:
-    """GFLOP/s of a ``size``³ product: ``torch.mm`` for fp32/bf16, ``torch._int_mm`` (int8 x int8 ->
+def gemm_peak(dtype: str, size: int, repeats: int) -> tuple[float, int] | None:
+    """(GFLOP/s, the size measured) of a ``size``³ product (``gemm_gflops``: smaller where a
+    kernel is too slow for it): ``torch.mm`` for fp32/bf16, ``torch._int_mm`` (int8 x int8 ->
     int32) for int8; None where this torch has no such kernel on this device."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    if dtype == "int8":
-        a = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
-        b = torch.randint(-127, 128, (size, size), dtype=torch.int8, generator=gen)
-        mm = torch._int_mm
-    else:
+
+    def product(n: int):
+        if dtype == "int8":
+            a = torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=gen)
+            b = torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=gen)
+            return lambda: torch._int_mm(a, b)
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        a = torch.randn(size, size, generator=gen).to(torch_dtype)
-        b = torch.randn(size, size, generator=gen).to(torch_dtype)
-        mm = torch.mm
+        a = torch.randn(n, n, generator=gen).to(torch_dtype)
+        b = torch.randn(n, n, generator=gen).to(torch_dtype)
+        return lambda: torch.mm(a, b)
+
     try:
-        seconds = _median_s(lambda: mm(a, b), repeats)
+        return gemm_gflops(product, size, repeats)
     except (RuntimeError, NotImplementedError):
         return None
-    return 2.0 * size**3 / seconds / 1e9
 
 
-def baton_bf16_peak(size: int, repeats: int) -> float | None:
-    """GFLOP/s of Baton's own AVX512-BF16 GEMM (``cpu_ops.bf16_gemm``, what ``llama.Linear`` runs
-    on such a CPU without AMX) on a ``size``³ product; None where it is not built or not compiled in
-    (nothing is built here: that takes minutes)."""
+def baton_bf16_peak(size: int, repeats: int) -> tuple[float, int] | None:
+    """(GFLOP/s, the size measured) of Baton's own bf16 GEMM (``cpu_ops.bf16_gemm``, what
+    ``llama.Linear`` runs on a CPU without AMX: AVX512-BF16 dot products, or AVX2's fp32 FMAs) on
+    a ``size``³ product; None where it is not built or not compiled in (nothing is built here:
+    that takes minutes)."""
     import torch
 
     from baton.kernels import cpu_ops
@@ -184,10 +206,14 @@ def baton_bf16_peak(size: int, repeats: int) -> float | None:
     if not cpu_ops.is_built() or not cpu_ops.bf16_gemm_available():
         return None
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(size, size, generator=gen).bfloat16()
-    packed = cpu_ops.bf16_gemm_pack(torch.randn(size, size, generator=gen).bfloat16())
-    out = torch.empty(size, size, dtype=torch.bfloat16)
-    return 2.0 * size**3 / _median_s(lambda: cpu_ops.bf16_gemm(x, packed, out), repeats) / 1e9
+
+    def product(n: int):
+        x = torch.randn(n, n, generator=gen).bfloat16()
+        packed = cpu_ops.bf16_gemm_pack(torch.randn(n, n, generator=gen).bfloat16())
+        out = torch.empty(n, n, dtype=torch.bfloat16)
+        return lambda: cpu_ops.bf16_gemm(x, packed, out)
+
+    return gemm_gflops(product, size, repeats)
 
 
 def measure(nbytes: int, gemm_size: int, repeats: int) -> dict:
@@ -198,9 +224,10 @@ def measure(nbytes: int, gemm_size: int, repeats: int) -> dict:
     reads = {"1": read_bandwidth(nbytes, repeats, 1)}
     if threads > 1:
         reads[str(threads)] = read_bandwidth(nbytes, repeats, threads)
-    kernels = {f"{d} torch": gemm_peak(d, gemm_size, repeats) for d in BYTES_PER_WEIGHT}
-    kernels["bf16 baton"] = baton_bf16_peak(gemm_size, repeats)
-    kernels = {k: g for k, g in kernels.items() if g is not None}
+    found = {f"{d} torch": gemm_peak(d, gemm_size, repeats) for d in BYTES_PER_WEIGHT}
+    found["bf16 baton"] = baton_bf16_peak(gemm_size, repeats)
+    measured = {k: m for k, m in found.items() if m is not None}
+    kernels = {k: g for k, (g, _) in measured.items()}
     best: dict[str, float] = {}
     for kernel, g in kernels.items():
         dtype = kernel.split()[0]
@@ -211,6 +238,8 @@ def measure(nbytes: int, gemm_size: int, repeats: int) -> dict:
         "read_gb_s_by_threads": reads,
         "gemm_size": gemm_size,
         "gemm_gflops_by_kernel": kernels,
+        # where a kernel was too slow for gemm_size within GEMM_BUDGET_S: the size it was measured at
+        "gemm_size_by_kernel": {k: n for k, (_, n) in measured.items() if n != gemm_size},
         "gemm_gflops": best,
     }
 
@@ -231,7 +260,11 @@ def _measured_from(args: argparse.Namespace) -> tuple[float | None, float | None
 
 def report(machine: dict, floor: dict, measured: dict) -> str:
     reads = ", ".join(f"{t} thread(s) {gb:.1f}" for t, gb in machine["read_gb_s_by_threads"].items())
-    gemm = ", ".join(f"{k} {g:.0f}" for k, g in machine["gemm_gflops_by_kernel"].items())
+    smaller = machine.get("gemm_size_by_kernel", {})
+    gemm = ", ".join(
+        f"{k} {g:.0f}" + (f" (at {smaller[k]}^3)" if k in smaller else "")
+        for k, g in machine["gemm_gflops_by_kernel"].items()
+    )
     lines = [
         f"read bandwidth (torch.sum over {machine['read_bytes'] / 2**20:.0f} MiB), GB/s: {reads}",
         f"GEMM peak ({machine['gemm_size']}^3), GFLOP/s: {gemm}",
