@@ -173,24 +173,34 @@ class Router:
 
     def _refresh_if_stale(self) -> asyncio.Task:
         """The registry read in flight, starting one if the last is ``refresh_s`` old."""
-        task, loop = self._refresh, asyncio.get_running_loop()
-        idle = task is None or task.done() or task.get_loop() is not loop
-        if idle and time.monotonic() - self._fetched_at >= self._refresh_s:
-            task = self._refresh = loop.create_task(self._refresh_decode())
+        task = self._read_in_flight()
+        if task is None and time.monotonic() - self._fetched_at >= self._refresh_s:
+            task = self._start_read()
+        task = task or self._refresh  # the last read, ended (or another event loop's)
         assert task is not None
         return task
+
+    def _read_in_flight(self) -> asyncio.Task | None:
+        """The registry read running on this event loop, if any."""
+        task = self._refresh
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            return None
+        return task
+
+    def _start_read(self) -> asyncio.Task:
+        self._refresh = asyncio.get_running_loop().create_task(self._refresh_decode())
+        return self._refresh
 
     async def _read_since(self, t: float) -> None:
         """Until a registry read that started at ``t`` or later has ended (the one in flight, or one
         started for it), at most ``first_read_timeout_s``."""
-        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self._first_read_timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            task = self._refresh
-            if task is None or task.done() or task.get_loop() is not loop:
+            task = self._read_in_flight()
+            if task is None:
                 if self._fetched_at >= t:
                     return
-                task = self._refresh = loop.create_task(self._refresh_decode())
+                task = self._start_read()
             await asyncio.wait({task}, timeout=left)
 
     async def _refresh_decode(self) -> None:
