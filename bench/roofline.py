@@ -146,15 +146,18 @@ asked size (torch's bf16 ``mm`` on a CPU without a bf16 instruction: ~1.3 GFLOP/
 not below 256) that fits, and reported with it: a kernel that slow is compute-bound at any size."""
 
 
-def gemm_gflops(product, size: int, repeats: int, budget_s: float = GEMM_BUDGET_S) -> tuple[float, int]:
+def gemm_gflops(
+    product, size: int, repeats: int, budget_s: float = GEMM_BUDGET_S, time_s=_median_s
+) -> tuple[float, int]:
     """(GFLOP/s, the cube's size) of ``product(n)``, a function that makes an n³ product's operands
     and returns the call to time, at ``size`` or the largest smaller size whose calls (the repeats
-    and a first one) fit ``budget_s`` as a 256³ probe projects them."""
+    and a first one) fit ``budget_s`` as a 256³ probe projects them. ``time_s(call, repeats)`` is the
+    median seconds of a call (a test passes a nominal clock)."""
     probe = min(size, 256)
-    per_flop = _median_s(product(probe), 1) / probe**3
+    per_flop = time_s(product(probe), 1) / probe**3
     while size > 256 and per_flop * size**3 * (repeats + 1) > budget_s:
         size //= 2
-    return 2.0 * size**3 / _median_s(product(size), repeats) / 1e9, size
+    return 2.0 * size**3 / time_s(product(size), repeats) / 1e9, size
 
 
 def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:

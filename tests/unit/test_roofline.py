@@ -1,9 +1,7 @@
 """The floor arithmetic of ``baton bench roofline`` on fixed numbers, and how it sizes a slow
-kernel's GEMM to its time budget (on a sleeping stand-in): no timing asserted, no torch."""
+kernel's GEMM to its time budget (on a stand-in with a nominal clock): no timing asserted, no torch."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -53,17 +51,23 @@ def test_fractions_of_the_floors():
     assert fractions(f, "bf16", None, None) == {}
 
 
-def _sleeping_product(seconds_per_flop: float):
-    """A stand-in kernel whose n³ product takes n³ x ``seconds_per_flop`` (a sleep: no CPU)."""
-    return lambda n: lambda: time.sleep(n**3 * seconds_per_flop)
+def _nominal_product(seconds_per_flop: float):
+    """A stand-in kernel whose n³ product 'takes' n³ x ``seconds_per_flop``: the call returns its
+    nominal time, which ``_nominal_clock`` reports (nothing is timed: a busy machine cannot move it)."""
+    return lambda n: lambda: n**3 * seconds_per_flop
+
+
+def _nominal_clock(call, repeats: int) -> float:
+    return call()
 
 
 def test_a_kernel_too_slow_for_the_size_is_measured_on_a_smaller_cube_within_the_budget():
     # 1024³ x 11 calls would take 1.2 s, over the 1 s budget; 512³'s 0.15 s fit.
-    gflops, size = gemm_gflops(_sleeping_product(1e-10), 2048, repeats=10, budget_s=1.0)
+    gflops, size = gemm_gflops(_nominal_product(1e-10), 2048, 10, budget_s=1.0, time_s=_nominal_clock)
     assert size == 512
-    assert 0 < gflops <= 2.0 * 512**3 / (512**3 * 1e-10) / 1e9
+    assert gflops == pytest.approx(2.0 * 512**3 / (512**3 * 1e-10) / 1e9)
 
 
 def test_a_fast_kernel_is_measured_at_the_size_asked():
-    assert gemm_gflops(_sleeping_product(1e-13), 2048, repeats=10, budget_s=1.0)[1] == 2048
+    got = gemm_gflops(_nominal_product(1e-13), 2048, 10, budget_s=1.0, time_s=_nominal_clock)
+    assert got == (pytest.approx(2.0 / 1e-13 / 1e9), 2048)
