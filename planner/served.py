@@ -68,6 +68,9 @@ STEP_MS = tuple(round(0.5 * i, 1) for i in range(21))  # 0 .. 10 ms a step
 STREAM_MS = tuple(round(0.1 * i, 1) for i in range(31))  # 0 .. 3 ms a token
 COARSE = ((0.9, 1.0, 1.1, 1.2, 1.35, 1.5), 2, 3)
 """The coarse search: these prefill (and mixed) scales, every 2nd step cost, every 3rd token cost."""
+SPARSE = 2
+"""The coarse search takes the decode costs at every ``SPARSE``-th point of its own grid first, then
+the coarse points around the best of those (6 x 6 and 8 points, not 11 x 11, a prefill scale)."""
 STARTS = 3
 """The best coarse points the fine search starts from."""
 GAP_S = 1.0
@@ -237,7 +240,7 @@ def fit_served(
 
     The four factors trade against each other along ridges a local search stalls on, so first a
     coarse search of them all (``COARSE``: every pair of prefill scales, the best decode costs of a
-    coarse grid for each), once, at the middle share; then, for each share, from the best
+    coarse grid for each, found from the grid's sparse points: ``SPARSE``), once, at the middle share; then, for each share, from the best
     ``STARTS`` coarse points, the decode costs on their fine grid around the point, each prefill
     scale on its own, and a descent to the best of its neighbours on the four fine grids, until
     nothing moves. Where the engine profile's simulation of the trace has no step that prefills
@@ -309,12 +312,24 @@ class _Search:
         return [at[0], *best, at[3]]
 
     def coarse(self) -> list[list[int]]:
-        """The best ``STARTS`` points of the coarse grids."""
+        """The best ``STARTS`` points of the coarse grids (their decode costs sparse first:
+        ``SPARSE``)."""
         scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
         mixed = [m for m in scales if m in self.mixed]  # 1.0 is one of COARSE[0]
-        steps, streams = range(0, len(STEP_MS), COARSE[1]), range(0, len(STREAM_MS), COARSE[2])
-        points = [self.decode_costs([k, 0, 0, m], steps, streams) for k in scales for m in mixed]
-        return sorted(points, key=self.prefer)[:STARTS]
+        return sorted((self._coarse_decode([k, 0, 0, m]) for k in scales for m in mixed), key=self.prefer)[
+            :STARTS
+        ]
+
+    def _coarse_decode(self, at: list[int]) -> list[int]:
+        """``at`` with the best decode costs of the coarse grid: its every ``SPARSE``-th point, then
+        the coarse points around the best of them."""
+        wide = (COARSE[1] * SPARSE, COARSE[2] * SPARSE)
+        at = self.decode_costs(at, range(0, len(STEP_MS), wide[0]), range(0, len(STREAM_MS), wide[1]))
+        return self.decode_costs(
+            at,
+            range(max(0, at[1] - COARSE[1]), min(len(STEP_MS), at[1] + COARSE[1] + 1), COARSE[1]),
+            range(max(0, at[2] - COARSE[2]), min(len(STREAM_MS), at[2] + COARSE[2] + 1), COARSE[2]),
+        )
 
     def fine(self, starts: Sequence[list[int]]) -> tuple[tuple[float, float, float, float], float]:
         """The four factors and their error, descending from each of ``starts``."""
