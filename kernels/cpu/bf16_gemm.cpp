@@ -11,7 +11,8 @@
 // with oneDNN from 256 rows (at 2,048 since its outputs are streamed); vdpbf16ps rows there: 7.2 ms
 // at 1 row, 12.0 at 8.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>  // not ATen/ATen.h: every operator's header, 12 s of each compile
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

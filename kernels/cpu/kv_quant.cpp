@@ -22,7 +22,10 @@
 // kQuantPrefetchBlocks ahead are prefetched into L2 while one block is computed (random block
 // placement defeats the hardware prefetchers).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>  // not ATen/ATen.h: every operator's header, 12 s of each compile
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>

@@ -17,7 +17,8 @@
 // covers: bf16 projections packed for bf16_gemm, no cascade groups, and a bf16 KV cache or a
 // quantized one without prefill chunks (a quantized cache's prefill dequantizes blocks in Python).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>  // not ATen/ATen.h: every operator's header, 12 s of each compile
 #include <c10/util/Exception.h>
 
 #include <optional>
