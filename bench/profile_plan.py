@@ -45,7 +45,7 @@ class Plan:
 def grid_plan(quick: bool) -> Plan:
     """The default grid (<= 10 minutes on 2 cores), or ``--quick``'s (well under a minute)."""
     if quick:
-        tokens, priors, packed = (16, 128, 512), (0, 512), ()
+        tokens, priors, packed = (16, 64, 256), (0, 256), ()
         batches, contexts = (1, 8, 32), (128, 1024)
     else:
         tokens, priors = (16, 64, 256, 512, 1024, 1536, 2048), (0, 512, 2048, 4096)
