@@ -240,10 +240,10 @@ def fit_served(
 
     The four factors trade against each other along ridges a local search stalls on, so first a
     coarse search of them all (``COARSE``: every pair of prefill scales, the best decode costs of a
-    coarse grid for each, found from the grid's sparse points: ``SPARSE``), once, at the middle share; then, for each share, from the best
-    ``STARTS`` coarse points, the decode costs on their fine grid around the point, each prefill
-    scale on its own, and a descent to the best of its neighbours on the four fine grids, until
-    nothing moves. Where the engine profile's simulation of the trace has no step that prefills
+    coarse grid for each, found from the grid's sparse points: ``SPARSE``), once, at the middle
+    share; then, for each share, from the best ``STARTS`` coarse points, the decode costs on their
+    fine grid around the point, each prefill scale on its own, and a descent to the best of its
+    neighbours on the four fine grids, until nothing moves. Where the engine profile's simulation of the trace has no step that prefills
     beside decodes (a disaggregated layout whose decode workers never prefill), the mixed scale
     cannot be told and stays the engine's 1. Ties go to the smaller change from the engine profile.
     ``engine_error`` is the engine profile's alone (no host cost)."""
@@ -316,9 +316,8 @@ class _Search:
         ``SPARSE``)."""
         scales = [PREFILL_SCALES.index(k) for k in COARSE[0]]
         mixed = [m for m in scales if m in self.mixed]  # 1.0 is one of COARSE[0]
-        return sorted((self._coarse_decode([k, 0, 0, m]) for k in scales for m in mixed), key=self.prefer)[
-            :STARTS
-        ]
+        points = [self._coarse_decode([k, 0, 0, m]) for k in scales for m in mixed]
+        return sorted(points, key=self.prefer)[:STARTS]
 
     def _coarse_decode(self, at: list[int]) -> list[int]:
         """``at`` with the best decode costs of the coarse grid: its every ``SPARSE``-th point, then
