@@ -243,10 +243,11 @@ def fit_served(
     coarse grid for each, found from the grid's sparse points: ``SPARSE``), once, at the middle
     share; then, for each share, from the best ``STARTS`` coarse points, the decode costs on their
     fine grid around the point, each prefill scale on its own, and a descent to the best of its
-    neighbours on the four fine grids, until nothing moves. Where the engine profile's simulation of the trace has no step that prefills
-    beside decodes (a disaggregated layout whose decode workers never prefill), the mixed scale
-    cannot be told and stays the engine's 1. Ties go to the smaller change from the engine profile.
-    ``engine_error`` is the engine profile's alone (no host cost)."""
+    neighbours on the four fine grids, until nothing moves. Where the engine profile's simulation
+    of the trace has no step that prefills beside decodes (a disaggregated layout whose decode
+    workers never prefill), the mixed scale cannot be told and stays the engine's 1. Ties go to
+    the smaller change from the engine profile. ``engine_error`` is the engine profile's alone (no
+    host cost)."""
     if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
         raise ValueError("one measured TTFT and TPOT per row of the trace")
     shares = HOST_SHARES if host_ms > 0 else (0.0,)

@@ -198,9 +198,7 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
         # the unfaulted run: one worker, the three prompts at once (greedy tokens do not depend on
         # the batch, which the load's streams above checked against references taken alone)
         with ThreadPoolExecutor(3) as pool:
-            unfaulted = dict(
-                zip(range(3), pool.map(lambda p: _complete(base, _body(name, p, LONG)), PROMPTS))
-            )
+            unfaulted = dict(enumerate(pool.map(lambda p: _complete(base, _body(name, p, LONG)), PROMPTS)))
         for i, tokens in long_results.items():
             assert tokens == unfaulted[i % 3], f"long stream {i} differs"
     finally:
