@@ -726,14 +726,11 @@ void run(const Params& p, int64_t B) {
     std::vector<float> scratch;
     for (int64_t i = lo; i < hi; ++i) attend_pair_generic<T>(p, i / p.KV, i % p.KV, scratch);
   };
-  int64_t total_rows = 0;
-  for (int64_t b = 0; b < B; ++b) total_rows += p.lens[b];
-  total_rows *= p.KV;
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || n_pairs <= 1 || total_rows < 2048 || at::in_parallel_region()) {
+  if (decode_attention_is_serial(p.lens, B, p.KV)) {
     do_range(0, n_pairs);
     return;
   }
+  const int64_t threads = at::get_num_threads();
   const int64_t parts = std::min(threads, n_pairs);
   const std::vector<int64_t> bounds = balanced_split(p, B, parts);
   at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {

@@ -17,14 +17,41 @@
 // covers: bf16 projections packed for bf16_gemm, no cascade groups, and a bf16 KV cache or a
 // quantized one without prefill chunks (a quantized cache's prefill dequantizes blocks in Python).
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>  // not ATen/ATen.h: every operator's header, 12 s of each compile
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
 #include "ops.h"  // the kernels it calls (their own translation units)
+
+namespace {
+
+// Reads the weights' bytes into the caches, a 64-byte line at a time, until `done`: each tensor's
+// two halves at once (a GEMM's two threads each stream one half, dynamic_for.h), the tensors in
+// turn. Changes nothing; the GEMM that follows finds the lines read in L2 or L3, not in DRAM.
+void warm(std::initializer_list<const at::Tensor*> weights, const std::atomic<bool>& done) {
+  constexpr int64_t kLine = 64, kCheck = 64;  // lines between looks at `done` (4 KB)
+  uint64_t sink = 0;
+  for (const at::Tensor* w : weights) {
+    const auto* bytes = static_cast<const volatile uint8_t*>(w->data_ptr());
+    const int64_t half = w->nbytes() / 2;
+    for (int64_t at = 0; at < half; at += kLine * kCheck) {
+      if (done.load(std::memory_order_relaxed)) return;
+      for (int64_t i = at; i < std::min(at + kLine * kCheck, half); i += kLine)
+        sink += bytes[i] + bytes[half + i];
+    }
+  }
+  asm volatile("" : : "r"(sink));  // the loads stay
+}
+
+}  // namespace
 
 // Layer i's weights: [input norm, qkv, o, post-attention norm, gate_up, down] at 6 i .. 6 i + 5 (the
 // norms fp32 [hidden], the projections bf16_gemm-packed). Returns the last layer's output (the
@@ -67,6 +94,12 @@ at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tens
   const at::Tensor q_decode = q.narrow(0, 0, num_decode);
   const at::Tensor attn_decode = attn.narrow(0, 0, num_decode);
   if (num_padding > 0) attn.narrow(0, n - num_padding, num_padding).zero_();  // no kernel writes them
+  // Decode rows alone whose attention runs on one thread (batch 1 and other small steps): the other
+  // threads would only wait through it (a third of batch-1's samples on 2 cores, Zen 3).
+  const at::Tensor lens = decode_context_lens.contiguous();
+  const bool overlap = !prefill && num_decode > 0 && at::get_num_threads() > 1 &&
+                       !at::in_parallel_region() && lens.scalar_type() == at::kInt &&
+                       decode_attention_is_serial(lens.data_ptr<int32_t>(), num_decode, num_kv_heads);
   std::optional<at::Tensor> prev = delta;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + 6 * i;
@@ -74,21 +107,40 @@ at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tens
     const at::Tensor k_cache = kv_layer.select(1, 0), v_cache = kv_layer.select(1, 1);
     add_rms_norm(residual, prev, w[0], eps, h);
     bf16_gemm(h, w[1], qkv);
-    if (quantized_kv) {
-      rope_and_cache_quant(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads,
-                           num_kv_heads, head_dim);
-      if (num_decode > 0)
-        paged_decode_attention_quant(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
-                                     decode_context_lens, scale);
+    auto attend = [&] {
+      if (quantized_kv) {
+        rope_and_cache_quant(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets,
+                             num_heads, num_kv_heads, head_dim);
+        if (num_decode > 0)
+          paged_decode_attention_quant(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
+                                       decode_context_lens, scale);
+      } else {
+        rope_and_cache(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads,
+                       num_kv_heads, head_dim);
+        if (num_decode > 0)
+          paged_decode_attention(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
+                                 decode_context_lens, scale);
+        if (prefill)
+          paged_prefill_attention(attn, q, k_cache, v_cache, prefill_block_tables,
+                                  prefill_context_lens, query_start_loc, scale);
+      }
+    };
+    if (overlap) {
+      // Attention on one thread, as it would run anyway; another reads the next two projections'
+      // weights meanwhile, where it would wait for the o projection's region. Same results.
+      std::atomic<bool> done{false};
+      at::parallel_for(0, 2, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t part = lo; part < hi; ++part) {
+          if (part == 0) {
+            attend();
+            done.store(true, std::memory_order_relaxed);
+          } else {
+            warm({&w[2], &w[4]}, done);
+          }
+        }
+      });
     } else {
-      rope_and_cache(qkv, positions, cos, sin, kv_layer, slot_blocks, slot_offsets, num_heads,
-                     num_kv_heads, head_dim);
-      if (num_decode > 0)
-        paged_decode_attention(attn_decode, q_decode, k_cache, v_cache, decode_block_tables,
-                               decode_context_lens, scale);
-      if (prefill)
-        paged_prefill_attention(attn, q, k_cache, v_cache, prefill_block_tables, prefill_context_lens,
-                                query_start_loc, scale);
+      attend();
     }
     bf16_gemm(attn.view({n, q_size}), w[2], o);
     add_rms_norm(residual, o, w[3], eps, h);

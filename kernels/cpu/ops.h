@@ -14,6 +14,9 @@
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale);
 bool has_avx512();
+// Whether decode attention over these context lengths runs on the calling thread alone (too few key
+// rows for a parallel region to pay); paged_decode_attention_quant (kv_quant.cpp) follows it too.
+bool decode_attention_is_serial(const int32_t* lens, int64_t batch, int64_t kv_heads);
 
 // paged_prefill.cpp
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,

@@ -77,18 +77,27 @@ std::vector<int64_t> balanced_split(const Params& p, int64_t B, int64_t parts) {
 
 constexpr int64_t kPartsPerThread = 8;
 
+}  // namespace
+
+bool decode_attention_is_serial(const int32_t* lens, int64_t batch, int64_t kv_heads) {
+  int64_t total_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) total_rows += lens[b];
+  total_rows *= kv_heads;
+  return at::get_num_threads() <= 1 || batch * kv_heads <= 1 || total_rows < 2048 ||
+         at::in_parallel_region();
+}
+
+namespace {
+
 template <typename T>
 void run(const Params& p, int64_t B) {
   const int64_t n_pairs = B * p.KV;
   auto do_range = [&](int64_t lo, int64_t hi) { decode_range<T, false>(p, lo, hi); };
-  int64_t total_rows = 0;
-  for (int64_t b = 0; b < B; ++b) total_rows += p.lens[b];
-  total_rows *= p.KV;
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || n_pairs <= 1 || total_rows < 2048 || at::in_parallel_region()) {
+  if (decode_attention_is_serial(p.lens, B, p.KV)) {
     do_range(0, n_pairs);
     return;
   }
+  const int64_t threads = at::get_num_threads();
   // kPartsPerThread ranges of about equal work a thread, each thread running its own in order and
   // then taking the others' that are not started yet (dynamic_for.h): a thread slowed by the
   // other's traffic or by the scheduler does fewer, instead of the other waiting for it.

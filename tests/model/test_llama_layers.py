@@ -7,6 +7,7 @@ cache; the steps it does not cover, and models it cannot run, keep the Python la
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton.common.llm import LLM, SamplingParams
 from baton.common.model.llama import LlamaForCausalLM
@@ -73,6 +74,31 @@ def test_one_call_computes_bit_for_bit_what_the_python_layers_do(monkeypatch, kv
             assert (True, True, False) in ran, f"a padded decode step: {on}"
         if kv_cache_dtype == "auto":
             assert (True, False, True) in ran, f"a step mixing decodes and a prefill chunk: {on}"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@needs_bf16_gemm
+def test_on_two_threads_a_small_decode_step_reads_ahead_and_computes_the_same(monkeypatch, kv_cache_dtype):
+    # On two threads a decode step whose attention runs on one (fewer than 2,048 key rows a step:
+    # one prompt, then four) has the other thread read the next projections' weights meanwhile
+    # (llama_layers.cpp's `overlap`); under make test's xdist workers torch runs one thread, which
+    # never takes that path, so the test sets two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(
+            dtype="bfloat16", kv_cache_gib=0.25, max_model_len=1024, kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=False, max_num_batched_tokens=128,
+        )  # fmt: skip
+        for batch in (PROMPTS[:1], PROMPTS[:3]):
+            python, _ = _runs(monkeypatch, llm, "0", batch)
+            fused, on = _runs(monkeypatch, llm, "1", batch)
+            assert fused == python
+            decodes = [nd for answer, nd, pad, chunks in on if answer and nd and not chunks]
+            assert decodes and max(decodes) == len(batch), f"decode-only steps in one call: {on}"
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_models_it_cannot_run_keep_the_python_layers(llm_fp32):
