@@ -16,7 +16,8 @@ is what the step computed.
   with their first token: no prefill is computed), distinct random prompts (no shared prefix, so
   no cascade attention); after ``warmup`` steps, ``steps`` steady decode steps are timed.
 
-Medians of the repeats; the first round of prefill points is a warm-up and not kept.
+Medians of the repeats; the first round of prefill points is a warm-up and not kept, but for a
+step of a second or more, which is measured once (``LONG_STEP_MS``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from baton.planner.profile import attention_pairs
 
 MAX_DRAIN_STEPS = 10_000
 """Bound on the steps that finish a point's requests (a point needs a handful)."""
+LONG_STEP_MS = 1000.0
+"""A prefill point whose first step takes this long is timed that once, the first run kept: its
+one-time costs (a shape's first use, after the engine's warm-up ran every padded shape) are
+milliseconds against seconds, and its repeats were most of the default grid's time on a slow CPU
+(AVX2-only Zen 3, bf16: the 37 points' four rounds took 1,161 s, one round 302 s). The chunked
+prompt is run again only while its steps are shorter."""
 
 
 @dataclass(frozen=True)
@@ -165,19 +172,27 @@ def measure_prefill(
     engine, points: Sequence[PrefillPoint], chunked_len: int, repeats: int, prompts: Prompts
 ) -> list[dict[str, float]]:
     """The median step time of every point (and of every step of a ``chunked_len`` prompt, when
-    not 0), over ``repeats`` rounds after one untimed round; the rounds take the points in turn."""
+    not 0), over ``repeats`` rounds after one untimed round; the rounds take the points in turn.
+    A point whose first step takes ``LONG_STEP_MS`` or more keeps that step and runs no more (the
+    chunked prompt, timed from its first run, runs no more once a step of it is that long)."""
     runner = PrefillRunner(engine, prompts)
     samples: dict[PrefillPoint, list[float]] = {p: [] for p in points}
     shapes: dict[PrefillPoint, list[tuple[int, int]]] = {}
+    done: set[PrefillPoint] = set()
     chunk_ms: list[list[float]] = []
     chunk_shapes: list[list[tuple[int, int]]] = []
     for round_ in range(1 + repeats):
         for point in points:
+            if point in done:
+                continue
             ms, pieces = runner.once(point)
-            if round_:
+            if round_ or ms >= LONG_STEP_MS:
                 samples[point].append(ms)
                 shapes[point] = pieces
-        if chunked_len and round_:
+            if not round_ and ms >= LONG_STEP_MS:
+                done.add(point)
+        chunk_long = any(ms[0] >= LONG_STEP_MS for ms in chunk_ms if ms)
+        if chunked_len and round_ and not chunk_long:
             steps = runner.chunked(chunked_len)
             chunk_ms = chunk_ms or [[] for _ in steps]
             chunk_shapes = [pieces for _, pieces in steps]
