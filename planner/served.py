@@ -245,11 +245,11 @@ def fit_served(
     their fine grid around the point, each prefill scale on its own, and a descent to the best of
     its neighbours on the four fine grids, until nothing moves; and at every share the same
     descent from where those ended (a nearby share's optimum is near: on the three recorded
-    calibrations with a host cost, the same errors for a quarter fewer simulations). Where the engine profile's simulation
-    of the trace has no step that prefills beside decodes (a disaggregated layout whose decode
-    workers never prefill), the mixed scale cannot be told and stays the engine's 1. Ties go to
-    the smaller change from the engine profile. ``engine_error`` is the engine profile's alone (no
-    host cost)."""
+    calibrations with a host cost, the same errors for a quarter fewer simulations). Where the
+    engine profile's simulation of the trace has no step that prefills beside decodes (a
+    disaggregated layout whose decode workers never prefill), the mixed scale cannot be told and
+    stays the engine's 1. Ties go to the smaller change from the engine profile. ``engine_error``
+    is the engine profile's alone (no host cost)."""
     if not (len(rows) == len(ttft_ms) == len(tpot_ms)):
         raise ValueError("one measured TTFT and TPOT per row of the trace")
     shares = HOST_SHARES if host_ms > 0 else (0.0,)
