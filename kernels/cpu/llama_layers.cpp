@@ -99,7 +99,7 @@ at::Tensor llama_layers(const at::Tensor& residual, const std::optional<at::Tens
   const at::Tensor lens = decode_context_lens.contiguous();
   const bool overlap = !prefill && num_decode > 0 && at::get_num_threads() > 1 &&
                        !at::in_parallel_region() && lens.scalar_type() == at::kInt &&
-                       decode_attention_is_serial(lens.data_ptr<int32_t>(), num_decode, num_kv_heads);
+                       decode_attention_is_serial(lens.data_ptr<int32_t>(), lens.numel(), num_kv_heads);
   std::optional<at::Tensor> prev = delta;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + 6 * i;
