@@ -442,6 +442,14 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
             for mix in mixes:
                 cap = predicted_capacity(profile, layout, mix, slo, a.seed)
                 print(f"{layout} {mix.text}: predicted capacity {cap:.3f} req/s", flush=True)
+                if cap <= 0:  # its runs' rates are fractions of it: there is nothing to run
+                    print(
+                        f"{layout} {mix.text}: skipped, no rate meets the SLOs for"
+                        f" {ATTAINMENT_TARGET:.0%} of requests on this profile (a lone prompt's"
+                        f" TTFT or TPOT past them?)",
+                        flush=True,
+                    )
+                    continue
                 for load in loads:
                     for arrival in arrivals:
                         kw = dict(slo=slo, seed=a.seed, window_s=a.window)
