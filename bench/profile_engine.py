@@ -186,11 +186,11 @@ def measure_prefill(
             if point in done:
                 continue
             ms, pieces = runner.once(point)
-            if round_ or ms >= LONG_STEP_MS:
+            if not round_ and ms >= LONG_STEP_MS:
+                done.add(point)  # its first step kept, the only one
+            if round_ or point in done:
                 samples[point].append(ms)
                 shapes[point] = pieces
-            if not round_ and ms >= LONG_STEP_MS:
-                done.add(point)
         chunk_long = any(ms[0] >= LONG_STEP_MS for ms in chunk_ms if ms)
         if chunked_len and round_ and not chunk_long:
             steps = runner.chunked(chunked_len)

@@ -80,7 +80,7 @@ def test_one_call_computes_bit_for_bit_what_the_python_layers_do(monkeypatch, kv
 @needs_bf16_gemm
 def test_on_two_threads_a_small_decode_step_reads_ahead_and_computes_the_same(monkeypatch, kv_cache_dtype):
     # On two threads a decode step whose attention runs on one (fewer than 2,048 key rows a step:
-    # one prompt, then four) has the other thread read the next projections' weights meanwhile
+    # one prompt, then three) has the other thread read the next projections' weights meanwhile
     # (llama_layers.cpp's `overlap`); under make test's xdist workers torch runs one thread, which
     # never takes that path, so the test sets two.
     threads = torch.get_num_threads()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import io
+import types
 from pathlib import Path
 
 import pytest
 
+from baton.bench import fidelity
 from baton.bench.fidelity import (
     closed_form_capacity,
     errors,
@@ -155,12 +159,6 @@ def test_a_run_is_predicted_again_from_another_profile_on_its_own_requests(tmp_p
 def test_a_mix_no_rate_can_serve_is_skipped_and_the_next_one_runs(monkeypatch, tmp_path, capsys):
     # TTFT 200 ms: no 1,536-token prompt meets it at any rate (capacity 0, and every run's rate a
     # fraction of it); the 16-token mix does. The cluster is not what is tested: a stand-in.
-    import argparse
-    import io
-    import types
-
-    from baton.bench import fidelity
-
     class Ran(Exception):
         pass
 
