@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 from baton.common.engine.config_flags import add_engine_args, engine_kwargs
@@ -61,6 +62,12 @@ def _register_build_kernels(subparsers) -> None:
         help="native (this CPU's own, the default), all, or a comma-separated list of portable x86 "
         "levels (amx, avx512-bf16, avx2): an image builds all, and a process imports the best its CPU runs",
     )
+    bk.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that each level compiles and links (-O0, in a temporary folder; nothing is "
+        "kept or imported): a level this CPU cannot run too",
+    )
     bk.set_defaults(func=cmd_build_kernels)
 
 
@@ -78,6 +85,8 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: --isa: {e}", file=sys.stderr)
         return 2
+    if a.check:
+        return _check_kernels(levels)
     for level in levels:
         fresh = not cpu_ops.is_built(root, level)
         start = time.perf_counter()
@@ -85,12 +94,30 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
             lib = cpu_ops.build(root, level)
             if level == isa.NATIVE:
                 cpu_ops.load(root)  # this CPU's build must also import here
-        except (RuntimeError, OSError, ImportError) as e:  # no compiler or ninja, or the build failed
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
+            # no compiler or ninja (torch asks `$CXX --version` first), or the build failed
             where = cpu_ops.build_dir(root, level)
             print(f"error: could not build the CPU kernels into {where}: {e}", file=sys.stderr)
             return 1
         verb = "built" if fresh else "already built"
         print(f"CPU kernels {verb}: {lib} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _check_kernels(levels: list[str]) -> int:
+    """``build-kernels --check``: compile and link each level at -O0, keep nothing."""
+    import time
+
+    from baton.kernels import cpu_ops
+
+    for level in levels:
+        start = time.perf_counter()
+        try:
+            cpu_ops.check(level)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"error: the CPU kernels do not build for {level}: {e}", file=sys.stderr)
+            return 1
+        print(f"CPU kernels compile for {level} ({time.perf_counter() - start:.1f} s, nothing kept)")
     return 0
 
 

@@ -6,8 +6,9 @@
 #   2. A base image: where no registry is reachable (always here), Debian from `debootstrap`,
 #      imported with `docker import`. Test-only: it carries this machine's CA bundle for pip.
 #   3. A local torch index on 127.0.0.1 (the torch wheel pip takes here, and its dependencies).
-#   4. `docker build --network host` of the project's Dockerfile from that base and index, with the
-#      legacy builder (no frontend image to pull), and the Redis/Prometheus stand-ins from Debian's
+#   4. `docker build --network host` of the project's Dockerfile from that base and index (the
+#      kernels of this CPU's level only: KERNEL_ISAS below), with the legacy builder (no frontend
+#      image to pull), and the Redis/Prometheus stand-ins from Debian's
 #      packages that compose.override.yaml swaps in for the images that cannot be pulled here.
 # Prints `BATON_IMAGE=...` etc. for the tests; state lives under BATON_CONTAINER_STATE.
 set -euo pipefail
@@ -112,9 +113,16 @@ TORCH_VERSION=$("$PY" -c 'import tomllib; d = tomllib.load(open("pyproject.toml"
 ensure_engine
 ensure_base
 ensure_torch_index
+# The kernels of the level this CPU imports (the image runs here only), not the Dockerfile's `all`:
+# the two AVX-512 levels were four fifths of the builder's time (~210 s of ~480 on a 2-core Zen 3),
+# beside the suite's CPU-bound first phase. tests/e2e/test_build_kernels.py checks that every
+# level compiles (`baton build-kernels --check`). KERNEL_ISAS=all builds the image users get.
+if [ -z "${KERNEL_ISAS:-}" ]; then
+  KERNEL_ISAS=$("$PY" -c 'from baton.kernels import isa; r = isa.runnable(isa.cpu_flags()); print(r[0].name if r else "all")')
+fi
 # The builder stage tagged too: untagged, `image prune` below would delete it with the layers a
 # second run reuses (torch, the dependencies, the kernels).
-args=(--build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" ${KERNEL_ISAS:+--build-arg "KERNEL_ISAS=$KERNEL_ISAS"})
+args=(--build-arg "TORCH_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple" --build-arg "KERNEL_ISAS=$KERNEL_ISAS")
 build "baton-test/builder:${IMAGE#*:}" Dockerfile --target builder "${args[@]}"
 build "$IMAGE" Dockerfile "${args[@]}"
 build baton-test/redis:7 tests/containers/images/redis.Dockerfile

@@ -1,7 +1,9 @@
 """Nothing compiles at serving time: ``baton build-kernels`` compiles the CPU kernels into an empty
 cache and a second run only imports them; a worker whose build is missing (and whose last build
 was killed, leaving torch's lock file behind) compiles it in its warm-up, before it reports ready;
-a portable level (what an image's builder makes) is imported as it is by a CPU that runs it.
+a portable level (what an image's builder makes) is imported as it is by a CPU that runs it; the
+other levels compile and link for their targets (``--check``) on any CPU, and a failed compile is
+one line.
 
 One real compile (about a minute on 2 busy cores) into a fresh cache folder, shared by the module:
 the portable ``avx2`` level, which every CPU kind this project lands on runs (``native``, the same
@@ -15,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -177,3 +180,48 @@ def test_a_portable_level_is_imported_by_a_cpu_that_runs_it_and_nothing_is_writt
         "an avx2 build: the bf16 GEMM on fp32 FMAs only"
     )
     assert _snapshot(cache) == before, "importing a build wrote into the cache"
+
+
+# -- the other levels: every one compiles, whatever CPU runs the suite -----------------------------
+OTHER_LEVELS = ["amx", "avx512-bf16"]
+"""The levels the cold build above does not make. CI's image builds only its runner's level
+(tests/containers/host.sh), so this is where every level's build is proven on every runner."""
+
+
+def _check(levels: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "baton.cli", "build-kernels", "--isa", ",".join(levels), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        env={**os.environ, **env},
+    )
+
+
+def test_every_level_compiles_and_links_for_its_target():
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("baton-kernels-check-*"))
+    done = _check(OTHER_LEVELS)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"CPU kernels compile for (\S+) \(", done.stdout) == OTHER_LEVELS, done.stdout
+    after = set(temp.glob("baton-kernels-check-*"))
+    assert after == before, f"a check left {after - before} behind"
+
+
+def test_a_compiler_that_fails_is_one_line_and_exit_1(tmp_path):
+    """torch's builds take the compiler from ``CXX`` and ask it ``--version`` first: ``false``
+    fails there, as a missing or broken compiler would (once a traceback)."""
+    done = _check(["avx2"], CXX="false")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "error: the CPU kernels do not build for avx2" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "build-kernels", "--isa", "avx2", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CXX": "false"},
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "error: could not build the CPU kernels" in done.stderr
+    assert "Traceback" not in done.stderr
