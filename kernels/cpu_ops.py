@@ -190,9 +190,8 @@ def _compile(spec: _Spec, directory: Path) -> None:
 
 
 def check(level: str) -> None:
-    """Compile and link ``level``'s sources at ``-O0`` (a third of ``-O3``'s time) in a temporary
-    folder, keeping nothing: whether the level builds here, on any CPU. Intrinsics are
-    ``always_inline``, so one the level's flags lack still fails. Raises as ``build`` does."""
+    """Compile and link ``level`` at ``-O0`` (a third of ``-O3``'s time) in a temporary folder, keeping
+    nothing; intrinsics are ``always_inline``, so one the level lacks still fails. Raises as ``build``."""
     import tempfile
 
     spec = _spec(level)
