@@ -22,10 +22,13 @@
 // R rows through prefill_loop.h's loop, causal (cascade.cpp's shared pass runs the same loop
 // without the mask). That header describes the loop (S = Q K^T, streaming base-2 softmax with a
 // lazy reference point, O = O * alpha + P V per 32-key chunk, the output in registers), its
-// packed layouts and its portable fallback (no AVX-512, or D other than 64 / 128: a per-row scalar
-// loop). Where the kernels are built for AMX-BF16 and Linux grants the tile state, bf16 with D = 64
-// takes amx_rows.h's loop instead, 16 rows at a time on the tile unit, over the same packed K/V
-// (8 x 256 fresh tokens, SmolLM2's heads: 3.2 -> 0.73 ms a layer on a 2-core Xeon, model 167).
+// packed layouts and its portable fallback (D other than 64 / 128: a per-row scalar loop). Without
+// AVX-512 (AVX2), D 64 and 128 take prefill_avx2.h's tile instead: 6 rows x 16 keys in registers
+// over K/V widened to fp32 (4 x 256 fresh tokens, SmolLM2's heads, bf16: 11.3 -> 3.4 ms a layer on
+// a 2-core Zen 3; the row-at-a-time loop before it). Where the kernels are built for AMX-BF16 and
+// Linux grants the tile state, bf16 with D = 64 takes amx_rows.h's loop instead, 16 rows at a
+// time on the tile unit, over the same packed K/V (8 x 256 fresh tokens, SmolLM2's heads: 3.2 ->
+// 0.73 ms a layer on a 2-core Xeon, model 167).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +51,7 @@
 #include "amx_rows.h"
 #include "attention_common.h"
 #include "ops.h"
+#include "prefill_avx2.h"
 #include "prefill_loop.h"
 
 namespace {
@@ -111,6 +115,8 @@ struct PackState {
   std::vector<CacheLine>* kbuf;  // 64-byte aligned storage (C++17 aligned new)
   std::vector<CacheLine>* vbuf;
 };
+
+using ItemFn = void (*)(const PrefillParams&, const Item&, PackState&);
 
 #ifdef BATON_PREFILL_AVX512
 // ---------------------------------------------------------------------------------------------
@@ -224,7 +230,6 @@ struct PrefillAmx {
 };
 #endif
 
-using ItemFn = void (*)(const PrefillParams&, const Item&, PackState&);
 
 template <typename T>
 ItemFn pick_avx512(int64_t D) {
@@ -240,6 +245,64 @@ ItemFn pick_avx512(int64_t D) {
   return nullptr;
 }
 #endif  // BATON_PREFILL_AVX512
+
+#ifdef BATON_VEC8
+// ---------------------------------------------------------------------------------------------
+// AVX2 path (D 64 or 128): the pair's K/V widened and packed as far as the item needs, then its
+// rows 6 at a time through prefill_avx2.h's register tile.
+template <typename T, int D>
+struct PrefillAvx2 {
+  static constexpr int64_t kChunkLines = kTileKeys * D * sizeof(float) / 64;
+
+  static void item(const PrefillParams& p, const Item& it, PackState& ps) {
+    const int64_t ctx = p.lens[it.s], G = p.G;
+    const int64_t start = ctx - (p.qsl[it.s + 1] - p.qsl[it.s]);  // position of query 0
+    const int64_t need = (start + it.i1 - 1) / kTileKeys + 1;
+    if (ps.s != it.s || ps.kh != it.kh) {
+      ps.s = it.s;
+      ps.kh = it.kh;
+      ps.chunks = 0;
+    }
+    if (ps.chunks < need) {
+      for (std::vector<CacheLine>* buf : {ps.kbuf, ps.vbuf})
+        if (static_cast<int64_t>(buf->size()) < need * kChunkLines)
+          buf->resize(static_cast<size_t>(need * kChunkLines));
+      const int32_t* bt = p.block_tables + it.s * p.bt_stride;
+      const T* kbase = static_cast<const T*>(p.k) + it.kh * p.head_stride;
+      const T* vbase = static_cast<const T*>(p.v) + it.kh * p.head_stride;
+      for (int64_t c = ps.chunks; c < need; ++c)
+        pack_chunk_avx2<D>(kbase, vbase, bt, p.k_bstride, p.v_bstride, p.bs, ctx, c,
+                           reinterpret_cast<float*>(ps.kbuf->data() + c * kChunkLines),
+                           reinterpret_cast<float*>(ps.vbuf->data() + c * kChunkLines));
+      ps.chunks = need;
+    }
+    const float* kp = reinterpret_cast<const float*>(ps.kbuf->data());
+    const float* vp = reinterpret_cast<const float*>(ps.vbuf->data());
+    const int64_t n_rows = (it.i1 - it.i0) * G;  // position-major: row = (i - i0) * G + g
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kTileRows) {
+      int64_t pos[kTileRows];
+      const T* qrow[kTileRows];
+      T* orow[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t idx = std::min<int64_t>(r0 + r, n_rows - 1);  // past the last row: repeat it
+        const int64_t i = it.i0 + idx / G, h = it.kh * G + idx % G, row = p.qsl[it.s] + i;
+        pos[r] = start + i;
+        qrow[r] = static_cast<const T*>(p.q) + row * p.q_rstride + h * p.q_hstride;
+        orow[r] = static_cast<T*>(p.out) + row * p.o_rstride + h * p.o_hstride;
+      }
+      const int n = static_cast<int>(std::min<int64_t>(kTileRows, n_rows - r0));
+      rows_avx2<D>(p.scale, n, pos, qrow, orow, kp, vp);
+    }
+  }
+};
+
+template <typename T>
+ItemFn pick_avx2(int64_t D) {
+  if (D == 64) return &PrefillAvx2<T, 64>::item;
+  if (D == 128) return &PrefillAvx2<T, 128>::item;
+  return nullptr;
+}
+#endif  // BATON_VEC8
 
 // Work of an item, in (row x key) units plus a per-row overhead.
 inline int64_t item_work(const PrefillParams& p, const Item& it) {
@@ -273,6 +336,8 @@ void run(const PrefillParams& p, int64_t S) {
 
 #ifdef BATON_PREFILL_AVX512
   const ItemFn fast = pick_avx512<T>(p.D);
+#elif defined(BATON_VEC8)
+  const ItemFn fast = pick_avx2<T>(p.D);
 #endif
 #ifdef BATON_AMX_ROWS
   bool amx = false;
@@ -293,7 +358,7 @@ void run(const PrefillParams& p, int64_t S) {
       }
     }
 #endif
-#ifdef BATON_PREFILL_AVX512
+#if defined(BATON_PREFILL_AVX512) || defined(BATON_VEC8)
     if (fast != nullptr) {
       thread_local std::vector<CacheLine> kbuf, vbuf;
       PackState ps;

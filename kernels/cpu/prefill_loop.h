@@ -27,7 +27,8 @@
 //   fp32 / fp16 / bf16 without AVX512-BF16: K as two groups of [D][16] floats, V as [32][D]
 //     floats; plain fp32 FMAs.
 // The portable loop (prefill_row_generic: no AVX-512, or D other than 64 / 128) is one query row
-// and one key at a time.
+// and one key at a time (8 keys on AVX2); paged_prefill.cpp takes prefill_avx2.h's tile on AVX2
+// for D 64 and 128, cascade.cpp's shared pass still this loop.
 //
 // In an anonymous namespace, as attention_common.h: each kernel's translation unit gets its own
 // instantiations (cpu_ops hashes this header into the build's name).

@@ -42,6 +42,10 @@ inline void store8(c10::BFloat16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
+inline void store8(c10::Half* p, __m256 v) {  // round to nearest even, as c10::Half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 // Lane j = the sum of a[j]'s lanes.
 inline __m256 sum8x8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);

@@ -146,6 +146,22 @@ LEVEL_CHECK = textwrap.dedent(
     got = cpu_ops.paged_decode_attention(q, k, v, tables, lens, 0.125)
     want = reference.paged_decode_attention_ref(q, k, v, tables, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The level's prefill attention (on AVX2 the 6-row x 16-key tile, prefill_avx2.h): sequences
+    # whose new rows start past cached keys and end inside a chunk, D 64 and 128, bf16 and fp32.
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for H, KV, D in ((9, 3, 64), (4, 2, 128)):
+            new, ctx, bs = [40, 37, 1], [140, 37, 20], 16
+            k = torch.randn(40, KV, bs, D).to(dtype)
+            v = torch.randn(40, KV, bs, D).to(dtype)
+            q = torch.randn(sum(new), H, D).to(dtype)
+            tables = torch.randperm(40, dtype=torch.int32)[:27].reshape(3, 9)
+            lens = torch.tensor(ctx, dtype=torch.int32)
+            qsl = torch.tensor([0, 40, 77, 78], dtype=torch.int32)
+            got = cpu_ops.paged_prefill_attention(q, k, v, tables, lens, qsl, D**-0.5)
+            for s in range(3):
+                rows = slice(int(qsl[s]), int(qsl[s + 1]))
+                want = reference.paged_prefill_attention_ref(q[rows], k, v, tables[s], ctx[s], D**-0.5)
+                torch.testing.assert_close(got[rows].float(), want.float(), rtol=tol, atol=tol)
     print(f"bf16_gemm={cpu_ops.bf16_gemm_available()} avx512_bf16={cpu_ops.has_avx512_bf16()}")
     """
 )
