@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -38,6 +38,27 @@ inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16 / Half: 
 struct alignas(64) CacheLine {
   uint8_t bytes[64];
 };
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Software prefetch of the K/V rows kPrefetchBlocks blocks ahead of the one being computed,
+// following the thread's (pair, block) order across pair boundaries (the decode loops, AVX-512's
+// and AVX2's). Issued one row per row computed, into L2: with random block placement the hardware
+// prefetchers only see short 2 KB runs.
+constexpr int kPrefetchBlocks = 2;
+#ifndef BATON_PREFETCH_HINT
+#define BATON_PREFETCH_HINT _MM_HINT_T1
+#endif
+
+// Prefetch row r of a block's K and V (kRowBytes each) into L2.
+template <int64_t kRowBytes>
+inline void prefetch_row(const char* k, const char* v, int64_t r) {
+#pragma GCC unroll 8
+  for (int64_t o = 0; o < kRowBytes; o += 64) {
+    _mm_prefetch(k + r * kRowBytes + o, BATON_PREFETCH_HINT);
+    _mm_prefetch(v + r * kRowBytes + o, BATON_PREFETCH_HINT);
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // exp for x <= 0 (Cephes expf polynomial, ~1 ulp); -inf and very negative inputs give 0.
@@ -203,25 +224,6 @@ inline void scores16(const Dot<T, G, D>& dot, const T* krow, int n, __m512* out)
   }
   const __m512i order = token_order();
   for (int g = 0; g < G; ++g) out[g] = _mm512_permutexvar_ps(order, tree4(z[0][g], z[1][g]));
-}
-
-// Software prefetch of the K/V rows kPrefetchBlocks blocks ahead of the one being computed,
-// following the thread's (pair, block) order across pair boundaries. Issued one row per row
-// computed (during the V loop), into L2: with random block placement the hardware prefetchers only
-// see short 2 KB runs.
-constexpr int kPrefetchBlocks = 2;
-#ifndef BATON_PREFETCH_HINT
-#define BATON_PREFETCH_HINT _MM_HINT_T1
-#endif
-
-// Prefetch row r of a block's K and V (kRowBytes each) into L2.
-template <int64_t kRowBytes>
-inline void prefetch_row(const char* k, const char* v, int64_t r) {
-#pragma GCC unroll 8
-  for (int64_t o = 0; o < kRowBytes; o += 64) {
-    _mm_prefetch(k + r * kRowBytes + o, BATON_PREFETCH_HINT);
-    _mm_prefetch(v + r * kRowBytes + o, BATON_PREFETCH_HINT);
-  }
 }
 
 // 2^x for x <= kSlack (a few units above 0 at most): x = n + f with n an integer and

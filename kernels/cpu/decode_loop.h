@@ -17,8 +17,9 @@
 // computes 16 token scores per head with a transposing reduction tree, one exp per 16 tokens, and
 // converts bf16 to fp32 in registers (so V accumulates in the order of Row<T, D>::dim, undone when
 // the output is written), and software-prefetches K/V rows kPrefetchBlocks blocks ahead along a
-// thread's range of pairs, since random block placement defeats the hardware prefetchers. The
-// portable loop (any G and D) takes one token at a time.
+// thread's range of pairs, since random block placement defeats the hardware prefetchers. On AVX2
+// (G 1-4, D 64 or 128) decode_pair_avx2 does the same 16 keys at a time with 8-lane vectors. The
+// portable loop (any G and D) takes one token at a time (8 on AVX2, attention_avx2.h).
 //
 // In an anonymous namespace, as attention_common.h: each kernel's translation unit gets its own
 // instantiations (cpu_ops hashes this header into the build's name).
@@ -140,10 +141,7 @@ void decode_pair_generic(const Params& p, int64_t b, int64_t kh, std::vector<flo
   }
 }
 
-#if defined(__AVX512F__)
-// ---------------------------------------------------------------------------------------------
-// AVX-512 loop.
-
+#if defined(__AVX512F__) || defined(BATON_VEC8)
 // Walks the (pair, block) sequence of a thread's range, from each pair's first block,
 // kPrefetchBlocks ahead of the computation.
 template <typename Params, bool FROM_STATE>
@@ -193,6 +191,148 @@ struct DecodePrefetch {
     rows = 0;
   }
 };
+
+template <typename T, typename Params, bool FROM_STATE>
+using DecodePairFn = void (*)(const Params&, int64_t, int64_t, DecodePrefetch<Params, FROM_STATE>&);
+#endif
+
+#ifdef BATON_VEC8
+// ---------------------------------------------------------------------------------------------
+// AVX2 loop (G 1-4, D 64 or 128): a block's keys 16 at a time, each K row widened in registers
+// once for the G heads (8-lane partial dot products, summed across lanes by vec8.h's tree), the
+// running max moved only when a chunk's max exceeds it (one scalar exp and a rescale of the
+// accumulators then), the chunk's exps in two 8-lane SLEEF expfs, the softmax sums lane-wise until
+// the end, and V read 8 dims at a time for the G heads' accumulators (in L1: G x D floats do not
+// fit 16 registers). K/V rows of the block kPrefetchBlocks ahead are prefetched as the keys are
+// scored, as the AVX-512 loop does. attention_avx2.h's chunk (the portable loop's, before this)
+// staged every widened row through the stack, took a libm exp a head and 8 keys, and prefetched
+// nothing: decode attention read ~6 GB/s on a 2-core Zen 3 where the machine streams ~18.
+template <typename T, int G, int D, bool FROM_STATE, typename Params>
+void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Params, FROM_STATE>& pf) {
+  constexpr int U = D / 8;
+  constexpr int64_t kRowBytes = D * sizeof(T);
+  const int64_t bs = p.bs, len = p.lens[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.q_bstride + kh * G * p.q_hstride;
+  T* out = static_cast<T*>(p.out) + b * p.o_bstride + kh * G * p.o_hstride;
+  alignas(32) float qf[G][D];  // q * scale
+  alignas(32) float acc[G][D];
+  alignas(32) __m256 part[G][16];  // key t's 8-lane partial q.k
+  alignas(32) float prob[G][16];
+  float m[G];
+  __m256 l[G];  // lane-wise softmax sums
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int g = 0; g < G; ++g) {
+    for (int u = 0; u < U; ++u) {
+      _mm256_store_ps(qf[g] + 8 * u, _mm256_mul_ps(widen8(q + g * p.q_hstride + 8 * u), scale));
+      _mm256_store_ps(acc[g] + 8 * u, _mm256_setzero_ps());
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = _mm256_setzero_ps();
+    if constexpr (FROM_STATE) {
+      const int64_t h = kh * G + g;
+      const float lse = p.state_lse[b * p.H + h];
+      if (lse > -std::numeric_limits<float>::infinity()) {  // max lse, sum 1, acc its output
+        m[g] = lse;
+        l[g] = _mm256_setr_ps(1.f, 0, 0, 0, 0, 0, 0, 0);
+        const float* o = p.state_o + (b * p.H + h) * D;
+        for (int u = 0; u < U; ++u) _mm256_store_ps(acc[g] + 8 * u, _mm256_loadu_ps(o + 8 * u));
+      }
+    }
+  }
+  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int32_t* bt = p.block_tables + b * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k) + kh * p.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kh * p.head_stride;
+  const int64_t n_blocks = (len + bs - 1) / bs;
+  for (int64_t j = decode_first_block<FROM_STATE>(p, b); j < n_blocks; ++j) {
+    const T* kb = kbase + bt[j] * p.k_bstride;
+    const T* vb = vbase + bt[j] * p.v_bstride;
+    const int64_t blen = std::min(bs, len - j * bs);
+    const char* pk = pf.k;  // locals: GCC drops prefetches of addresses it reloads from *this
+    const char* pv = pf.v;
+    const int64_t p_rows = pf.rows;
+    for (int64_t t0 = 0; t0 < blen; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, blen - t0));
+      const T* kr = kb + t0 * D;
+      const T* vr = vb + t0 * D;
+      for (int t = 0; t < n; ++t) {
+        if (t0 + t < p_rows) prefetch_row<kRowBytes>(pk, pv, t0 + t);
+        __m256 a[G];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) {
+          const __m256 kv = widen8(kr + t * D + 8 * u);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * u), kv, a[g]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) part[g][t] = a[g];
+      }
+      for (int t = n; t < 16; ++t)
+        for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
+      const __m256 live0 = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+      const __m256 live1 = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(n - 8)), _CMP_LT_OQ);
+      for (int g = 0; g < G; ++g) {
+        const __m256 s0 = _mm256_blendv_ps(ninf, sum8x8(part[g]), live0);
+        const __m256 s1 = n > 8 ? _mm256_blendv_ps(ninf, sum8x8(part[g] + 8), live1) : ninf;
+        const float mx = hmax8(_mm256_max_ps(s0, s1));
+        if (mx > m[g]) {  // the running max grew: rescale (alpha 0 on an empty state)
+          const __m256 alpha = _mm256_set1_ps(sleef_expf(m[g] - mx));
+          for (int u = 0; u < U; ++u)
+            _mm256_store_ps(acc[g] + 8 * u, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * u), alpha));
+          l[g] = _mm256_mul_ps(l[g], alpha);
+          m[g] = mx;
+        }
+        const __m256 mv = _mm256_set1_ps(m[g]);
+        const __m256 e0 = sleef_expf8(_mm256_sub_ps(s0, mv));
+        const __m256 e1 = sleef_expf8(_mm256_sub_ps(s1, mv));
+        _mm256_store_ps(prob[g], e0);
+        _mm256_store_ps(prob[g] + 8, e1);
+        l[g] = _mm256_add_ps(l[g], _mm256_add_ps(e0, e1));
+      }
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) {
+        __m256 o[G];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) o[g] = _mm256_load_ps(acc[g] + 8 * u);
+        for (int t = 0; t < n; ++t) {
+          const __m256 vv = widen8(vr + t * D + 8 * u);
+#pragma GCC unroll 4
+          for (int g = 0; g < G; ++g) o[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(prob[g] + t), vv, o[g]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * u, o[g]);
+      }
+    }
+    for (int64_t r = blen; r < p_rows; ++r) prefetch_row<kRowBytes>(pk, pv, r);  // short block
+    pf.advance();
+  }
+  for (int g = 0; g < G; ++g) {
+    const float lsum = hsum8(l[g]);
+    const __m256 inv = _mm256_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
+    T* og = out + g * p.o_hstride;
+    for (int u = 0; u < U; ++u) store8(og + 8 * u, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * u), inv));
+  }
+}
+
+// The AVX2 loop for G query heads per kv head and head dim D, or nullptr (the portable loop).
+template <typename T, typename Params, bool FROM_STATE>
+DecodePairFn<T, Params, FROM_STATE> pick_decode_avx2(int64_t G, int64_t D) {
+#define BATON_CASE(GG, DD) \
+  if (G == GG && D == DD) return &decode_pair_avx2<T, GG, DD, FROM_STATE, Params>;
+  BATON_CASE(1, 64) BATON_CASE(2, 64) BATON_CASE(3, 64) BATON_CASE(4, 64)
+  BATON_CASE(1, 128) BATON_CASE(2, 128) BATON_CASE(3, 128) BATON_CASE(4, 128)
+#undef BATON_CASE
+  return nullptr;
+}
+#endif  // BATON_VEC8
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512 loop.
+
 
 template <typename T, int G, int D, bool FROM_STATE, typename Params>
 void decode_pair_avx512(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Params, FROM_STATE>& pf) {
@@ -295,9 +435,6 @@ void decode_pair_avx512(const Params& p, int64_t b, int64_t kh, DecodePrefetch<P
   }
 }
 
-template <typename T, typename Params, bool FROM_STATE>
-using DecodePairFn = void (*)(const Params&, int64_t, int64_t, DecodePrefetch<Params, FROM_STATE>&);
-
 // The AVX-512 loop for G query heads per kv head and head dim D, or nullptr (the portable loop).
 template <typename T, typename Params, bool FROM_STATE>
 DecodePairFn<T, Params, FROM_STATE> pick_decode_avx512(int64_t G, int64_t D) {
@@ -316,6 +453,15 @@ template <typename T, bool FROM_STATE, typename Params>
 void decode_range(const Params& p, int64_t lo, int64_t hi) {
 #if defined(__AVX512F__)
   const DecodePairFn<T, Params, FROM_STATE> fast = pick_decode_avx512<T, Params, FROM_STATE>(p.G, p.D);
+  if (fast != nullptr) {
+    DecodePrefetch<Params, FROM_STATE> pf;
+    pf.start(p, lo, hi, sizeof(T));
+    for (int64_t i = lo; i < hi; ++i) fast(p, i / p.KV, i % p.KV, pf);
+    return;
+  }
+#endif
+#ifdef BATON_VEC8
+  const DecodePairFn<T, Params, FROM_STATE> fast = pick_decode_avx2<T, Params, FROM_STATE>(p.G, p.D);
   if (fast != nullptr) {
     DecodePrefetch<Params, FROM_STATE> pf;
     pf.start(p, lo, hi, sizeof(T));
