@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -207,6 +208,26 @@ using DecodePairFn = void (*)(const Params&, int64_t, int64_t, DecodePrefetch<Pa
 // scored, as the AVX-512 loop does. attention_avx2.h's chunk (the portable loop's, before this)
 // staged every widened row through the stack, took a libm exp a head and 8 keys, and prefetched
 // nothing: decode attention read ~6 GB/s on a 2-core Zen 3 where the machine streams ~18.
+// 16 elements of a row as two 8-lane vectors. bf16: one 256-bit load, its even elements (shifted
+// up) and its odd ones (masked), 3 instructions where two widening loads take 6; fp32 and fp16 in
+// order. q, K and V are read alike, so q.k is the same sum and the accumulators hold dims in the
+// order pair_dim gives, undone when the output is written.
+inline void load_pair(const c10::BFloat16* p, __m256& a, __m256& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+template <typename T>
+inline void load_pair(const T* p, __m256& a, __m256& b) {
+  a = widen8(p);
+  b = widen8(p + 8);
+}
+// The row dim that lane i of accumulator vector u holds (16 dims per pair of vectors).
+template <typename T>
+constexpr int pair_dim(int u, int i) {
+  return std::is_same_v<T, c10::BFloat16> ? 16 * (u / 2) + 2 * i + u % 2 : 8 * u + i;
+}
+
 template <typename T, int G, int D, bool FROM_STATE, typename Params>
 void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Params, FROM_STATE>& pf) {
   constexpr int U = D / 8;
@@ -222,10 +243,13 @@ void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Par
   __m256 l[G];  // lane-wise softmax sums
   const __m256 scale = _mm256_set1_ps(p.scale);
   for (int g = 0; g < G; ++g) {
-    for (int u = 0; u < U; ++u) {
-      _mm256_store_ps(qf[g] + 8 * u, _mm256_mul_ps(widen8(q + g * p.q_hstride + 8 * u), scale));
-      _mm256_store_ps(acc[g] + 8 * u, _mm256_setzero_ps());
+    for (int w = 0; w < U / 2; ++w) {
+      __m256 q0, q1;
+      load_pair(q + g * p.q_hstride + 16 * w, q0, q1);
+      _mm256_store_ps(qf[g] + 16 * w, _mm256_mul_ps(q0, scale));
+      _mm256_store_ps(qf[g] + 16 * w + 8, _mm256_mul_ps(q1, scale));
     }
+    for (int u = 0; u < U; ++u) _mm256_store_ps(acc[g] + 8 * u, _mm256_setzero_ps());
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = _mm256_setzero_ps();
     if constexpr (FROM_STATE) {
@@ -235,7 +259,8 @@ void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Par
         m[g] = lse;
         l[g] = _mm256_setr_ps(1.f, 0, 0, 0, 0, 0, 0, 0);
         const float* o = p.state_o + (b * p.H + h) * D;
-        for (int u = 0; u < U; ++u) _mm256_store_ps(acc[g] + 8 * u, _mm256_loadu_ps(o + 8 * u));
+        for (int u = 0; u < U; ++u)
+          for (int i = 0; i < 8; ++i) acc[g][8 * u + i] = o[pair_dim<T>(u, i)];
       }
     }
   }
@@ -261,11 +286,15 @@ void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Par
         __m256 a[G];
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int u = 0; u < U; ++u) {
-          const __m256 kv = widen8(kr + t * D + 8 * u);
+#pragma GCC unroll 8
+        for (int w = 0; w < U / 2; ++w) {
+          __m256 k0, k1;
+          load_pair(kr + t * D + 16 * w, k0, k1);
 #pragma GCC unroll 4
-          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * u), kv, a[g]);
+          for (int g = 0; g < G; ++g) {
+            a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 16 * w), k0, a[g]);
+            a[g] = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 16 * w + 8), k1, a[g]);
+          }
         }
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) part[g][t] = a[g];
@@ -292,28 +321,41 @@ void decode_pair_avx2(const Params& p, int64_t b, int64_t kh, DecodePrefetch<Par
         _mm256_store_ps(prob[g] + 8, e1);
         l[g] = _mm256_add_ps(l[g], _mm256_add_ps(e0, e1));
       }
-#pragma GCC unroll 2
-      for (int u = 0; u < U; ++u) {
-        __m256 o[G];
+      for (int w = 0; w < U / 2; ++w) {
+        __m256 o0[G], o1[G];
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) o[g] = _mm256_load_ps(acc[g] + 8 * u);
+        for (int g = 0; g < G; ++g) {
+          o0[g] = _mm256_load_ps(acc[g] + 16 * w);
+          o1[g] = _mm256_load_ps(acc[g] + 16 * w + 8);
+        }
         for (int t = 0; t < n; ++t) {
-          const __m256 vv = widen8(vr + t * D + 8 * u);
+          __m256 v0, v1;
+          load_pair(vr + t * D + 16 * w, v0, v1);
 #pragma GCC unroll 4
-          for (int g = 0; g < G; ++g) o[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(prob[g] + t), vv, o[g]);
+          for (int g = 0; g < G; ++g) {
+            const __m256 pb = _mm256_broadcast_ss(prob[g] + t);
+            o0[g] = _mm256_fmadd_ps(pb, v0, o0[g]);
+            o1[g] = _mm256_fmadd_ps(pb, v1, o1[g]);
+          }
         }
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * u, o[g]);
+        for (int g = 0; g < G; ++g) {
+          _mm256_store_ps(acc[g] + 16 * w, o0[g]);
+          _mm256_store_ps(acc[g] + 16 * w + 8, o1[g]);
+        }
       }
     }
     for (int64_t r = blen; r < p_rows; ++r) prefetch_row<kRowBytes>(pk, pv, r);  // short block
     pf.advance();
   }
+  alignas(32) float row[D];  // the output in dim order
   for (int g = 0; g < G; ++g) {
     const float lsum = hsum8(l[g]);
-    const __m256 inv = _mm256_set1_ps(lsum > 0.f ? 1.f / lsum : 0.f);
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < 8; ++i) row[pair_dim<T>(u, i)] = acc[g][8 * u + i] * inv;
     T* og = out + g * p.o_hstride;
-    for (int u = 0; u < U; ++u) store8(og + 8 * u, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * u), inv));
+    for (int u = 0; u < U; ++u) store8(og + 8 * u, _mm256_load_ps(row + 8 * u));
   }
 }
 
