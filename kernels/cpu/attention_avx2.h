@@ -1,7 +1,8 @@
 // The portable attention loops' chunk on AVX2 (decode_loop.h's and prefill_loop.h's, for D 64
-// and 128; where no AVX2 loop of its own serves: decode with G > 4, cascade's shared pass): up to 8 keys of one block widened to fp32 once for all the query rows that read them,
-// each row's 8 scores in one vector (vec8.h's reduction tree of hadds), their exps in one 8-lane
-// SLEEF expf (sleef_exp.h), V accumulated 8 dims a vector. Without it, on a 2-core AVX2-only EPYC,
+// and 128; where no AVX2 loop of its own serves: decode with G > 4, cascade's shared pass): up to
+// 8 keys of one block widened to fp32 once for all the query rows that read them, each row's 8
+// scores in one vector (vec8.h's reduction tree of hadds), their exps in one 8-lane SLEEF expf
+// (sleef_exp.h), V accumulated 8 dims a vector. Without it, on a 2-core AVX2-only EPYC,
 // W1 spent ~17% of its samples in the scalar decode loop and batch-1 ran 7-10% slower.
 //
 // In an anonymous namespace, as attention_common.h: each translation unit gets its own copy.
