@@ -314,12 +314,13 @@ void gemm_amx(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* o
 // each output is the fp32 sum of its K products rounded to bf16 once, as with vdpbf16ps (the sums
 // are added in another order). x's rows are widened to fp32 once a call.
 //
-// Few rows (a decode step's, up to kAvx2FewRows) read the packed panel directly, widening each
-// weight vector once for all the tile's rows: memory-bound, two blocks of channels at a time for
-// two streams of weights a thread. More rows widen a block's panel into an fp32 copy in the
-// thread's cache first and run the classic 6 x 16 fp32 tile over it (12 accumulators, a weight
-// vector a k loaded as an operand): compute-bound, the FMA ports kept busy instead of shifting.
-constexpr int64_t kAvx2FewRows = 32;
+// Few rows (up to kAvx2FewRows: batch 1 and small decode batches) read the packed panel directly,
+// widening each weight vector once for all the tile's rows: memory-bound, two blocks of channels at
+// a time for two streams of weights a thread. More rows run the classic 6 x 16 fp32 tile (12
+// accumulators) over a block's packed panel, widening each k pair's weights in registers: a shift
+// and a mask for 24 FMAs, no copy. (Widening a block's panel into an fp32 copy first and running
+// the tile over that was 10-40% slower on Zen 3 at 16-256 rows: the copy's pass and its stores.)
+constexpr int64_t kAvx2FewRows = 4;
 
 inline __m256 even_k(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
 inline __m256 odd_k(__m256i words, __m256i high) { return _mm256_castsi256_ps(_mm256_and_si256(words, high)); }
@@ -397,36 +398,135 @@ void avx2_few_rows(const float* x, int64_t k, const at::BFloat16* w, at::BFloat1
     }
 }
 
-// A block's packed panel ([k / 2][16][2] bf16) widened to fp32 [k][16]: row kk is channel 0..15's
-// weight at kk.
-void widen_panel(const at::BFloat16* w, int64_t k, float* panel) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t s = 0; s < k / 2; ++s)
-    #pragma GCC unroll 8
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32 + h * 16));
-      _mm256_storeu_ps(panel + (2 * s) * 16 + h * 8, even_k(v));
-      _mm256_storeu_ps(panel + (2 * s + 1) * 16 + h * 8, odd_k(v, high));
-    }
-}
-
-// MT (<= 6) rows of fp32 x against one block's fp32 panel: MT x 16 accumulators, a k at a time.
+// MT (<= 6) rows of fp32 x against one block's packed panel ([k / 2][16][2] bf16) over the whole K:
+// the classic 6 x 16 fp32 tile (12 accumulators), each k pair's weights widened in registers (two
+// 256-bit loads; k even's halves by a shift, then k odd's from the same lines by a mask).
 template <int MT>
-void avx2_panel_rows(const float* x, int64_t k, const float* panel, at::BFloat16* out, int64_t ldo, int64_t cols) {
+void avx2_packed_rows(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* out, int64_t ldo,
+                      int64_t cols) {
   __m256 acc[MT][2];
   #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const __m256 w0 = _mm256_loadu_ps(panel + kk * 16), w1 = _mm256_loadu_ps(panel + kk * 16 + 8);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t s = 0; s < k / 2; ++s) {
+    const __m256i* words = reinterpret_cast<const __m256i*>(w + s * 32);
+    const __m256 e0 = even_k(_mm256_loadu_si256(words)), e1 = even_k(_mm256_loadu_si256(words + 1));
     #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * k + kk);
-      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+      const __m256 xv = _mm256_broadcast_ss(x + i * k + 2 * s);
+      acc[i][0] = _mm256_fmadd_ps(xv, e0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, e1, acc[i][1]);
+    }
+    const __m256 o0 = odd_k(_mm256_loadu_si256(words), high), o1 = odd_k(_mm256_loadu_si256(words + 1), high);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * k + 2 * s + 1);
+      acc[i][0] = _mm256_fmadd_ps(xv, o0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, o1, acc[i][1]);
     }
   }
   #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) store_row16(out + i * ldo, acc[i][0], acc[i][1], cols);
+}
+
+// The full tile, as the loop above with its registers named: 12 accumulators, two weight vectors, a
+// broadcast and the mask are AVX2's 16, and GCC 12 spilled an accumulator of the C++ loop to the
+// stack (a store and a reload in two of its FMA chains every k pair: the tile at half speed).
+template <>
+void avx2_packed_rows<6>(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* out, int64_t ldo,
+                         int64_t cols) {
+  alignas(32) static const uint32_t kHigh[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                                 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
+  alignas(32) float acc[12][8];
+  const float* x3 = x + 3 * k;
+  const int64_t stride = k * 4;
+  int64_t pairs = k / 2;
+  asm volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+      "vxorps %%ymm2, %%ymm2, %%ymm2\n\t"
+      "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
+      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t"
+      "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t"
+      "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+      "vmovdqa %[high], %%ymm15\n\t"
+      "test %[pairs], %[pairs]\n\t"
+      "jle 2f\n\t"
+      "1:\n\t"
+      // k even: the words shifted up
+      "vmovdqu (%[w]), %%ymm12\n\t"
+      "vmovdqu 32(%[w]), %%ymm13\n\t"
+      "vpslld $16, %%ymm12, %%ymm12\n\t"  // (AVX2's shift takes no memory operand: that form is EVEX)
+      "vpslld $16, %%ymm13, %%ymm13\n\t"
+      "vbroadcastss (%[x]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
+      "vbroadcastss (%[x], %[stride], 1), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm2\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm3\n\t"
+      "vbroadcastss (%[x], %[stride], 2), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm5\n\t"
+      "vbroadcastss (%[x3]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm6\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm7\n\t"
+      "vbroadcastss (%[x3], %[stride], 1), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
+      "vbroadcastss (%[x3], %[stride], 2), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm10\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm11\n\t"
+      // k odd: the words masked
+      "vpand (%[w]), %%ymm15, %%ymm12\n\t"
+      "vpand 32(%[w]), %%ymm15, %%ymm13\n\t"
+      "vbroadcastss 4(%[x]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm0\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm1\n\t"
+      "vbroadcastss 4(%[x], %[stride], 1), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm2\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm3\n\t"
+      "vbroadcastss 4(%[x], %[stride], 2), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm5\n\t"
+      "vbroadcastss 4(%[x3]), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm6\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm7\n\t"
+      "vbroadcastss 4(%[x3], %[stride], 1), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm8\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm9\n\t"
+      "vbroadcastss 4(%[x3], %[stride], 2), %%ymm14\n\t"
+      "vfmadd231ps %%ymm12, %%ymm14, %%ymm10\n\t"
+      "vfmadd231ps %%ymm13, %%ymm14, %%ymm11\n\t"
+      "add $64, %[w]\n\t"
+      "add $8, %[x]\n\t"
+      "add $8, %[x3]\n\t"
+      "dec %[pairs]\n\t"
+      "jnz 1b\n\t"
+      "2:\n\t"
+      "vmovaps %%ymm0, (%[acc])\n\t"
+      "vmovaps %%ymm1, 32(%[acc])\n\t"
+      "vmovaps %%ymm2, 64(%[acc])\n\t"
+      "vmovaps %%ymm3, 96(%[acc])\n\t"
+      "vmovaps %%ymm4, 128(%[acc])\n\t"
+      "vmovaps %%ymm5, 160(%[acc])\n\t"
+      "vmovaps %%ymm6, 192(%[acc])\n\t"
+      "vmovaps %%ymm7, 224(%[acc])\n\t"
+      "vmovaps %%ymm8, 256(%[acc])\n\t"
+      "vmovaps %%ymm9, 288(%[acc])\n\t"
+      "vmovaps %%ymm10, 320(%[acc])\n\t"
+      "vmovaps %%ymm11, 352(%[acc])\n\t"
+      : [w] "+r"(w), [x] "+r"(x), [x3] "+r"(x3), [pairs] "+r"(pairs)
+      : [stride] "r"(stride), [acc] "r"(acc), [high] "m"(kHigh)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+  #pragma GCC unroll 6
+  for (int i = 0; i < 6; ++i)
+    store_row16(out + i * ldo, _mm256_load_ps(acc[2 * i]), _mm256_load_ps(acc[2 * i + 1]), cols);
 }
 
 // Rows a chunk runs against one block: their fp32 x (~192 KiB) stays in the thread's L2 beside the
@@ -475,19 +575,17 @@ void gemm_avx2(const at::BFloat16* x, const at::BFloat16* packed, at::BFloat16* 
       row_blocks * blocks, [] {},
       [&](int64_t c) {
         const int64_t r0 = c / blocks * rows, r1 = std::min(m, r0 + rows), b = c % blocks, col = b * 16;
-        thread_local std::vector<float> panel;
-        panel.resize(static_cast<size_t>(k * 16));
-        widen_panel(packed + b * k * 16, k, panel.data());
+        const at::BFloat16* w = packed + b * k * 16;
         for (int64_t r = r0; r < r1; r += 6) {
           const float* xr = xf + r * k;
           at::BFloat16* o = out + r * n + col;
           switch (std::min<int64_t>(6, r1 - r)) {
-            case 1: avx2_panel_rows<1>(xr, k, panel.data(), o, n, n - col); break;
-            case 2: avx2_panel_rows<2>(xr, k, panel.data(), o, n, n - col); break;
-            case 3: avx2_panel_rows<3>(xr, k, panel.data(), o, n, n - col); break;
-            case 4: avx2_panel_rows<4>(xr, k, panel.data(), o, n, n - col); break;
-            case 5: avx2_panel_rows<5>(xr, k, panel.data(), o, n, n - col); break;
-            default: avx2_panel_rows<6>(xr, k, panel.data(), o, n, n - col);
+            case 1: avx2_packed_rows<1>(xr, k, w, o, n, n - col); break;
+            case 2: avx2_packed_rows<2>(xr, k, w, o, n, n - col); break;
+            case 3: avx2_packed_rows<3>(xr, k, w, o, n, n - col); break;
+            case 4: avx2_packed_rows<4>(xr, k, w, o, n, n - col); break;
+            case 5: avx2_packed_rows<5>(xr, k, w, o, n, n - col); break;
+            default: avx2_packed_rows<6>(xr, k, w, o, n, n - col);
           }
         }
       },

@@ -24,7 +24,7 @@ HAS_KERNEL = HAS_AVX512_BF16 or {"avx2", "fma"} <= _cpu_flags()
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="bf16_gemm's kernel needs AVX512-BF16 or AVX2")
-# (M, N, K): one row; a row tile (6) and a ragged one; SmolLM2's qkv and down shapes at a decode
+# (M, N, K): one row; a row tile (6), a ragged one, a tile and five rows, K one pair; SmolLM2's qkv and down shapes at a decode
 # batch; N not a multiple of 16 nor of a column tile; the LM head's width. From 16 rows with K a
 # multiple of 32 the AMX tiles run where the build has them: one row tile, a ragged pair, an odd
 # column block, a prefill chunk's down projection; (20, 48, 40) stays on vdpbf16ps (K). Outputs
@@ -35,6 +35,8 @@ HAS_KERNEL = HAS_AVX512_BF16 or {"avx2", "fma"} <= _cpu_flags()
     [
         (1, 64, 64),
         (6, 70, 96),
+        (11, 70, 96),
+        (6, 16, 2),
         (13, 960, 576),
         (9, 576, 1536),
         (3, 33, 2),
