@@ -162,6 +162,17 @@ LEVEL_CHECK = textwrap.dedent(
                 rows = slice(int(qsl[s]), int(qsl[s + 1]))
                 want = reference.paged_prefill_attention_ref(q[rows], k, v, tables[s], ctx[s], D**-0.5)
                 torch.testing.assert_close(got[rows].float(), want.float(), rtol=tol, atol=tol)
+    # The level's bf16 GEMM (on AVX2 the few-rows loop and the inline-asm 6 x 16 tile with its
+    # ragged tails): each output the exact product, rounded to bf16 once, plus fp32 sums' error.
+    if cpu_ops.bf16_gemm_available():
+        for m, n, k in ((1, 64, 64), (3, 33, 2), (13, 70, 96), (64, 960, 576)):
+            w = torch.randn(n, k).bfloat16()
+            x = (torch.randn(m, k) * 3).bfloat16()
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            cpu_ops.bf16_gemm(x, cpu_ops.bf16_gemm_pack(w), out)
+            exact = x.double() @ w.double().t()
+            bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().t()) * k * 2.0**-24
+            assert ((out.double() - exact).abs() <= bound).all(), (m, n, k)
     print(f"bf16_gemm={cpu_ops.bf16_gemm_available()} avx512_bf16={cpu_ops.has_avx512_bf16()}")
     """
 )
