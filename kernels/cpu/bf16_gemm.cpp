@@ -530,7 +530,7 @@ void avx2_packed_rows<6>(const float* x, int64_t k, const at::BFloat16* w, at::B
 }
 
 // Rows a chunk runs against one block: their fp32 x (~192 KiB) stays in the thread's L2 beside the
-// block's fp32 panel.
+// block's packed panel.
 inline int64_t avx2_row_block(int64_t k) { return std::max<int64_t>(6, (192 << 10) / (4 * k) / 6 * 6); }
 
 // x widened to fp32 (threads take rows), then the chunks in row-block order, a contiguous share a
