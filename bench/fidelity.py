@@ -17,6 +17,12 @@ For one layout and a profile, it starts ``baton up --layout L`` (any further ``b
 (every run), P90 TTFT and TPOT in percent (runs whose measured attainment is at least 50%); where a
 scenario was run more than once (the same command again, into another file), each such scenario's
 measured runs, their mean and spread, and the prediction against them (``repeats``).
+
+Before each run a speed probe (``planner.probe``, off with ``--no-probe``) sends a few fixed
+requests through the layout and reads how fast the machine serves against the profile; the run is
+then predicted a second time with the profile at that speed (``probe`` in its line), and the report
+gives that prediction's errors beside the profile's own. The first is the figure a profile earns;
+the second tells how much of its error was the host drifting since the profile was taken.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from baton.bench.serve import BenchConfig, run_benchmark
 from baton.planner.capacity import capacity
 from baton.planner.layout import Layout, parse_layout
 from baton.planner.plan import Search, max_rate
+from baton.planner.probe import Speed, at_speed, probe_speed, probe_trace
 from baton.planner.profile import Profile
 from baton.planner.sim_result import SLO, parse_slo
 from baton.planner.simulate import simulate
@@ -122,6 +129,11 @@ class Run:
     requests: dict[str, list]
     """Each request as sent and measured: ``arrival_s``, ``input_len``, ``output_len``, ``ttft_ms``,
     ``tpot_ms``, ``error``."""
+    probe: dict | None = None
+    """The speed probe sent just before the run (None: not probed): ``prefill_ratio`` and
+    ``decode_ratio`` (measured / predicted), the run predicted again at that speed
+    (``predicted_attainment``, ``predicted_p90_ttft_ms``, ``predicted_p90_tpot_ms``), and the
+    probe's own requests as ``requests`` records them."""
 
 
 # -- predictions -------------------------------------------------------------------------------------
@@ -175,6 +187,7 @@ def run_one(
     bench = BenchConfig(
         base_url, trace=rows, goodput=goodput, seed=prompts_seed, progress=False, timeout_s=1800.0
     )
+    probe = _probe(base_url, profile, layout, rows, slo, prompts_seed) if kw.get("probe") else None
     measured = asyncio.run(run_benchmark(bench))
     ok_ttft = [t * 1000.0 for t, e in zip(measured["ttfts"], measured["errors"]) if not e]
     ok_tpot = [
@@ -213,7 +226,51 @@ def run_one(
             "tpot_ms": [round(t * 1000.0, 3) for t in measured["tpots"]],
             "error": measured["errors"],
         },
+        probe=probe,
     )
+
+
+def _probe(base_url: str, profile: Profile, layout: Layout, rows: list, slo: SLO, seed: int) -> dict:
+    """Send the speed probe (``planner.probe``) and predict ``rows`` again at the speed it read."""
+    trace = probe_trace(profile, layout)
+    bench = BenchConfig(
+        base_url,
+        trace=trace,
+        goodput={"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
+        seed=zlib.crc32(f"probe|{seed}".encode()),
+        progress=False,
+        timeout_s=600.0,
+    )
+    m = asyncio.run(run_benchmark(bench))
+    requests = {
+        "arrival_s": [round(r[0], 4) for r in trace],
+        "input_len": [r[1] for r in trace],
+        "output_len": m["output_lens"],
+        "ttft_ms": [round(t * 1000.0, 2) for t in m["ttfts"]],
+        "tpot_ms": [round(t * 1000.0, 3) for t in m["tpots"]],
+        "error": m["errors"],
+    }
+    return _at_probe_speed(profile, layout, rows, slo, requests)
+
+
+def _at_probe_speed(profile: Profile, layout: Layout, rows, slo: SLO, requests: dict) -> dict:
+    """The probe's record: its speed against ``profile`` and the run's ``rows`` predicted at it."""
+    trace = list(zip(requests["arrival_s"], requests["input_len"], requests["output_len"]))
+    ok = [not e for e in requests["error"]]
+    ttft = [t if good else None for t, good in zip(requests["ttft_ms"], ok)]
+    tpot = [
+        t if good and o > 1 else None for t, o, good in zip(requests["tpot_ms"], requests["output_len"], ok)
+    ]
+    speed: Speed = probe_speed(profile, layout, trace, ttft, tpot)
+    again = simulate(at_speed(profile, speed), layout, Workload(trace=tuple(rows), num_prompts=0), slo)
+    return {
+        "prefill_ratio": speed.prefill,
+        "decode_ratio": speed.decode,
+        "predicted_attainment": again.slo_attainment,
+        "predicted_p90_ttft_ms": _nan_to_none(again.ttft_ms.p90),
+        "predicted_p90_tpot_ms": _nan_to_none(again.tpot_ms.p90),
+        "requests": requests,
+    }
 
 
 # -- the report --------------------------------------------------------------------------------------
@@ -252,6 +309,12 @@ def errors(runs: Sequence[dict]) -> dict[str, float | int | None]:
     }
 
 
+def at_probe_speed(runs: Sequence[dict]) -> list[dict]:
+    """The probed runs with their predictions at the probe's speed in place of the profile's."""
+    keys = ("predicted_attainment", "predicted_p90_ttft_ms", "predicted_p90_tpot_ms")
+    return [{**r, **{k: r["probe"][k] for k in keys}} for r in runs if r.get("probe")]
+
+
 def format_report(runs: Sequence[dict]) -> str:
     """A markdown table of the runs, then the error summary."""
 
@@ -284,6 +347,19 @@ def format_report(runs: Sequence[dict]) -> str:
         f"TPOT mean {f(e['p90_tpot_mean_pct'], '%')} (max {f(e['p90_tpot_max_pct'], '%')}, "
         f"{e['p90_tpot_within_15']} within 15%).",
     ]
+    probed = at_probe_speed(runs)
+    if probed:
+        c = errors(probed)
+        ratios = [(r["probe"]["prefill_ratio"], r["probe"]["decode_ratio"]) for r in runs if r.get("probe")]
+        rows.append(
+            f"At the speed probed before each run ({len(probed)} probed; measured / profile: prefill "
+            f"{min(p for p, _ in ratios):.2f}-{max(p for p, _ in ratios):.2f}x, decode "
+            f"{min(d for _, d in ratios):.2f}-{max(d for _, d in ratios):.2f}x): attainment mean error "
+            f"{f(c['attainment_mean_pts'], ' pts')}, max {f(c['attainment_max_pts'], ' pts')}, "
+            f"{c['runs_within_5_pts']} of {c['runs']} within 5 pts; P90 TTFT mean {f(c['p90_ttft_mean_pct'], '%')} "
+            f"({c['p90_ttft_within_15']} within 15%), TPOT mean {f(c['p90_tpot_mean_pct'], '%')} "
+            f"({c['p90_tpot_within_15']} within 15%)."
+        )
     return "\n".join(rows)
 
 
@@ -373,12 +449,15 @@ def repredict(run: dict, profile: Profile) -> dict:
     req = run["requests"]
     rows = tuple(zip(req["arrival_s"], req["input_len"], req["output_len"]))
     slo = SLO(run["slo"]["ttft"], run["slo"]["tpot"])
-    predicted = simulate(profile, parse_layout(run["layout"]), Workload(trace=rows, num_prompts=0), slo)
+    layout = parse_layout(run["layout"])
+    predicted = simulate(profile, layout, Workload(trace=rows, num_prompts=0), slo)
+    probe = run.get("probe")
     return {
         **run,
         "predicted_attainment": predicted.slo_attainment,
         "predicted_p90_ttft_ms": _nan_to_none(predicted.ttft_ms.p90),
         "predicted_p90_tpot_ms": _nan_to_none(predicted.tpot_ms.p90),
+        "probe": _at_probe_speed(profile, layout, rows, slo, probe["requests"]) if probe else None,
     }
 
 
@@ -408,6 +487,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--slo", nargs="+", required=True, metavar="ttft:MS|tpot:MS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-jsonl", required=True, help="one JSON line per run is appended here")
+    p.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="send no speed probe before each run (planner/probe.py; ~10 s a run on 2 cores)",
+    )
     p.add_argument("up_args", nargs=argparse.REMAINDER, help="-- then further flags for baton up")
     p.set_defaults(func=cmd_fidelity)
     r = bench.add_parser("fidelity-report", help="the table and errors of bench fidelity runs")
@@ -452,7 +537,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
                     continue
                 for load in loads:
                     for arrival in arrivals:
-                        kw = dict(slo=slo, seed=a.seed, window_s=a.window)
+                        kw = dict(slo=slo, seed=a.seed, window_s=a.window, probe=a.probe)
                         run = run_one(
                             f"http://127.0.0.1:{port}", profile, layout, mix, arrival, load, cap, **kw
                         )
@@ -480,7 +565,9 @@ def cmd_fidelity_report(a: argparse.Namespace) -> int:
     runs = [repredict(r, profiles[r["layout"]]) if r["layout"] in profiles else r for r in runs]
     groups = repeats(runs)
     if a.json:
-        print(json.dumps({**errors(runs), "repeated": groups}))
+        probed = at_probe_speed(runs)
+        at_speed_errors = errors(probed) if probed else None
+        print(json.dumps({**errors(runs), "repeated": groups, "at_probe_speed": at_speed_errors}))
         return 0
     print(format_report(runs))
     if groups:

@@ -159,13 +159,18 @@ def steady_segment(profile: Profile, layout: Layout, load: float, seed: int = 0)
 
 
 def calibration_trace(profile: Profile, layout: Layout) -> list[Row]:
-    """The segments one after another, each given its predicted length (the engine profile's, x2
-    for a slower served path) and ``GAP_S`` so that they do not overlap."""
-    rows: list[Row] = []
-    t = 0.0
+    """The segments and the steady segments one after another (``in_turn``)."""
     segments = calibration_segments(profile.engine.max_num_batched_tokens)
     steady = [steady_segment(profile, layout, load, seed) for seed, load in enumerate(STEADY_LOADS)]
-    for segment in [*segments, *steady]:
+    return in_turn(profile, layout, [*segments, *steady])
+
+
+def in_turn(profile: Profile, layout: Layout, segments: Sequence[Sequence[Row]]) -> list[Row]:
+    """``segments`` one after another, each given its predicted length (``profile``'s, x2 for a
+    slower served path) and ``GAP_S`` so that they do not overlap."""
+    rows: list[Row] = []
+    t = 0.0
+    for segment in segments:
         rows += [(round(t + s, 4), i, o) for s, i, o in segment]
         sim = _simulator(profile, layout, segment)
         sim.run()

@@ -11,6 +11,7 @@ import pytest
 
 from baton.bench import fidelity
 from baton.bench.fidelity import (
+    at_probe_speed,
     closed_form_capacity,
     errors,
     format_repeats,
@@ -25,8 +26,9 @@ from baton.bench.fidelity import (
     run_seed,
 )
 from baton.planner.layout import parse_layout
+from baton.planner.probe import Speed, at_speed, probe_trace
 from baton.planner.profile import Profile
-from baton.planner.served import served_profile
+from baton.planner.served import predicted, served_profile
 from baton.planner.sim_result import SLO
 from baton.planner.simulate import simulate
 from baton.planner.workload import Workload, draw
@@ -172,10 +174,49 @@ def test_a_mix_no_rate_can_serve_is_skipped_and_the_next_one_runs(monkeypatch, t
     monkeypatch.setattr(fidelity, "run_one", run_one)
     a = argparse.Namespace(
         profile=str(PROFILE), layout="colocated", slo=["ttft:200", "tpot:100"], mix=["1536/16", "16/16"],
-        loads="0.5", arrivals="poisson", up_args=[], seed=0, window=10.0,
+        loads="0.5", arrivals="poisson", up_args=[], seed=0, window=10.0, probe=False,
         output_jsonl=str(tmp_path / "runs.jsonl"),
     )  # fmt: skip
     with pytest.raises(Ran, match="16/16"):
         fidelity.cmd_fidelity(a)
     out = capsys.readouterr().out
     assert "1536/16: predicted capacity 0.000" in out and "1536/16: skipped, no rate meets the SLOs" in out
+
+
+def test_a_probed_run_is_predicted_again_at_the_speed_its_probe_read():
+    profile, slo, layout = Profile.load(PROFILE), SLO(2000.0, 100.0), parse_layout("1p1d")
+    w = Workload(2.0, 40, parse_mix("256/64").input_len, parse_mix("256/64").output_len)
+    r = draw(w, seed=2)
+    rows = [(t - r.arrival_s[0], i, o) for t, i, o in zip(r.arrival_s, r.input_len, r.output_len)]
+    first = simulate(profile, layout, Workload(trace=tuple(rows), num_prompts=0), slo)
+    # the probe as a machine 1.5x slower at decoding than the profile would measure it
+    slow = at_speed(profile, Speed(1.0, 1.5))
+    probe_rows = probe_trace(profile, layout)
+    ttft, tpot = predicted(slow, layout, probe_rows)
+    probe = {"requests": {
+        "arrival_s": [x[0] for x in probe_rows], "input_len": [x[1] for x in probe_rows],
+        "output_len": [x[2] for x in probe_rows], "ttft_ms": ttft, "tpot_ms": [t or 0.0 for t in tpot],
+        "error": [""] * len(probe_rows),
+    }}  # fmt: skip
+    run = dict(
+        _run(first.slo_attainment, 0.9, 1.0, (first.ttft_ms.p90, 300.0), (first.tpot_ms.p90, 40.0)),
+        slo={"ttft": 2000.0, "tpot": 100.0}, probe=probe,
+        requests={"arrival_s": [x[0] for x in rows], "input_len": [x[1] for x in rows],
+                  "output_len": [x[2] for x in rows]},
+    )  # fmt: skip
+    again = repredict(run, profile)
+    assert again["probe"]["decode_ratio"] == pytest.approx(1.5, rel=0.02)
+    assert again["probe"]["prefill_ratio"] == pytest.approx(1.0, rel=0.02)
+    at_slow = simulate(slow, layout, Workload(trace=tuple(rows), num_prompts=0), slo)
+    assert again["probe"]["predicted_p90_tpot_ms"] == pytest.approx(at_slow.tpot_ms.p90, rel=0.02)
+    assert again["predicted_p90_tpot_ms"] == pytest.approx(first.tpot_ms.p90)  # the profile's own stays
+    # the report: the profile's errors, then the same runs' at the probed speed; unprobed runs left out
+    runs = [again, _run(0.5, 0.5, 1.0)]
+    assert [r["predicted_p90_tpot_ms"] for r in at_probe_speed(runs)] == [
+        again["probe"]["predicted_p90_tpot_ms"]
+    ]
+    text = format_report(runs)
+    assert (
+        "At the speed probed before each run (1 probed; measured / profile: prefill 1.00-1.00x, decode 1.5"
+        in text
+    )
