@@ -187,7 +187,7 @@ def run_one(
     bench = BenchConfig(
         base_url, trace=rows, goodput=goodput, seed=prompts_seed, progress=False, timeout_s=1800.0
     )
-    probe = _probe(base_url, profile, layout, rows, slo, prompts_seed) if kw.get("probe") else None
+    probe = send_probe(base_url, profile, layout, rows, slo, prompts_seed) if kw.get("probe") else None
     measured = asyncio.run(run_benchmark(bench))
     ok_ttft = [t * 1000.0 for t, e in zip(measured["ttfts"], measured["errors"]) if not e]
     ok_tpot = [
@@ -230,8 +230,11 @@ def run_one(
     )
 
 
-def _probe(base_url: str, profile: Profile, layout: Layout, rows: list, slo: SLO, seed: int) -> dict:
-    """Send the speed probe (``planner.probe``) and predict ``rows`` again at the speed it read."""
+def send_probe(
+    base_url: str, profile: Profile, layout: Layout, rows: list, slo: SLO, seed: int
+) -> dict | None:
+    """Send the speed probe (``planner.probe``) and predict ``rows`` again at the speed it read
+    (None, said, where every probe request failed: the run's own line will show why)."""
     trace = probe_trace(profile, layout)
     bench = BenchConfig(
         base_url,
@@ -242,6 +245,9 @@ def _probe(base_url: str, profile: Profile, layout: Layout, rows: list, slo: SLO
         timeout_s=600.0,
     )
     m = asyncio.run(run_benchmark(bench))
+    if all(m["errors"]):
+        print(f"the speed probe failed ({m['errors'][0]}): this run is not probed", flush=True)
+        return None
     requests = {
         "arrival_s": [round(r[0], 4) for r in trace],
         "input_len": [r[1] for r in trace],

@@ -220,3 +220,23 @@ def test_a_probed_run_is_predicted_again_at_the_speed_its_probe_read():
         "At the speed probed before each run (1 probed; measured / profile: prefill 1.00-1.00x, decode 1.5"
         in text
     )
+
+
+def test_a_probe_whose_every_request_failed_leaves_the_run_unprobed(monkeypatch, capsys):
+    # the fault injected: every probe request refused (the cluster down); the run goes on unprobed
+    async def refused(cfg):
+        n = len(cfg.trace)
+        return {
+            "errors": ["connection refused"] * n,
+            "output_lens": [0] * n,
+            "ttfts": [0.0] * n,
+            "tpots": [0.0] * n,
+        }
+
+    monkeypatch.setattr(fidelity, "run_benchmark", refused)
+    profile, layout = Profile.load(PROFILE), parse_layout("colocated")
+    assert (
+        fidelity.send_probe("http://127.0.0.1:9", profile, layout, [(0.0, 64, 16)], SLO(2000.0, 100.0), 1)
+        is None
+    )
+    assert "the speed probe failed (connection refused): this run is not probed" in capsys.readouterr().out
