@@ -218,16 +218,21 @@ def run_one(
         duration_s=measured["duration"],
         machine=profile.machine.cpu,
         taken_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        requests={
-            "arrival_s": [round(r[0], 4) for r in rows],
-            "input_len": [r[1] for r in rows],
-            "output_len": measured["output_lens"],
-            "ttft_ms": [round(t * 1000.0, 2) for t in measured["ttfts"]],
-            "tpot_ms": [round(t * 1000.0, 3) for t in measured["tpots"]],
-            "error": measured["errors"],
-        },
+        requests=_record(rows, measured),
         probe=probe,
     )
+
+
+def _record(rows: Sequence[tuple[float, int, int]], measured: dict) -> dict[str, list]:
+    """Each request of ``rows`` as sent and as ``run_benchmark`` measured it (``Run.requests``)."""
+    return {
+        "arrival_s": [round(r[0], 4) for r in rows],
+        "input_len": [r[1] for r in rows],
+        "output_len": measured["output_lens"],
+        "ttft_ms": [round(t * 1000.0, 2) for t in measured["ttfts"]],
+        "tpot_ms": [round(t * 1000.0, 3) for t in measured["tpots"]],
+        "error": measured["errors"],
+    }
 
 
 def send_probe(
@@ -248,15 +253,7 @@ def send_probe(
     if all(m["errors"]):
         print(f"the speed probe failed ({m['errors'][0]}): this run is not probed", flush=True)
         return None
-    requests = {
-        "arrival_s": [round(r[0], 4) for r in trace],
-        "input_len": [r[1] for r in trace],
-        "output_len": m["output_lens"],
-        "ttft_ms": [round(t * 1000.0, 2) for t in m["ttfts"]],
-        "tpot_ms": [round(t * 1000.0, 3) for t in m["tpots"]],
-        "error": m["errors"],
-    }
-    return _at_probe_speed(profile, layout, rows, slo, requests)
+    return _at_probe_speed(profile, layout, rows, slo, _record(trace, m))
 
 
 def _at_probe_speed(profile: Profile, layout: Layout, rows, slo: SLO, requests: dict) -> dict:

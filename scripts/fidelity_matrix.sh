@@ -8,7 +8,9 @@
 # core. Each layout's prediction uses its served profile: that engine profile calibrated through the
 # real layout (`baton bench served-profile`, a trace of its own, none of the runs below); the
 # profiles are taken first where OUT has none (scripts/layout_profiles.sh). Run it on a quiet
-# machine: nothing else may run (a test suite beside it made served steps 5-10x slower here).
+# machine: nothing else may run (a test suite beside it made served steps 5-10x slower here). Each
+# run is also predicted at the speed a probe read just before it (planner/probe.py; the report's
+# last line): where that is much closer than the profile's own, the host moved during the matrix.
 #
 #   scripts/fidelity_matrix.sh OUT [WINDOW_S]
 #

@@ -11,30 +11,22 @@ import sys
 
 import pytest
 
-from baton.planner.profile import EngineShape, Linear, Machine, Profile
+from baton.planner.profile import Linear
+from tests.planner_profiles import synthetic_profile
 
 pytestmark = [pytest.mark.slow]
 
-PROFILE = Profile(
-    machine=Machine(cpu="emulated test machine", isa="avx2", cores=1),
-    engine=EngineShape(
-        model="SmolLM2-135M-Instruct",
-        dtype="bfloat16",
-        quantization=None,
-        kv_cache_dtype="auto",
-        tensor_parallel_size=1,
-        block_size=16,
-        max_num_batched_tokens=512,
-        max_num_seqs=32,
-        kv_capacity_tokens=16384,
-    ),
-    # Steps long enough that the modelled time, not the gateway's and the client's work on 2 busy
-    # cores, sets the pace: a 512-token prompt 200 ms, a decode step 60 ms.
-    prefill=Linear(100.0, 0.2, 0.0),
-    decode=Linear(60.0, 0.5, 0.0),
+# Steps long enough that the modelled time, not the gateway's and the client's work on 2 busy cores,
+# sets the pace: a 512-token prompt 200 ms, a decode step 60 ms.
+PROFILE = synthetic_profile(
+    Linear(100.0, 0.2),
+    Linear(60.0, 0.5),
     transfer={"ucx": Linear(5.0, 0.01)},
-    gateway_ms=1.0,
-    taken_at="2026-01-01T00:00:00Z",
+    cpu="emulated test machine",
+    model="SmolLM2-135M-Instruct",
+    max_num_batched_tokens=512,
+    max_num_seqs=32,
+    kv_capacity_tokens=16384,
 )
 
 
