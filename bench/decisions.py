@@ -36,14 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from baton.bench.breakdown import start_cluster, stop_cluster
-from baton.bench.fidelity import (
-    Mix,
-    parse_arrival,
-    parse_arrivals,
-    parse_mix,
-    parse_profile_overrides,
-    predicted_capacity,
-)
+from baton.bench.fidelity import Mix, parse_arrival, parse_arrivals, parse_mix, predicted_capacity
+from baton.bench.fidelity_report import parse_profile_overrides
 from baton.bench.serve import BenchConfig, run_benchmark
 from baton.planner.layout import parse_layout
 from baton.planner.profile import Profile

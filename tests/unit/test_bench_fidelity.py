@@ -11,19 +11,21 @@ import pytest
 
 from baton.bench import fidelity
 from baton.bench.fidelity import (
-    at_probe_speed,
     closed_form_capacity,
-    errors,
-    format_repeats,
-    format_report,
     parse_arrival,
     parse_arrivals,
     parse_mix,
-    parse_profile_overrides,
     predicted_capacity,
+    run_seed,
+)
+from baton.bench.fidelity_report import (
+    at_probe_speed,
+    errors,
+    format_repeats,
+    format_report,
+    parse_profile_overrides,
     repeats,
     repredict,
-    run_seed,
 )
 from baton.planner.layout import parse_layout
 from baton.planner.probe import Speed, at_speed, probe_trace
