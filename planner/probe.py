@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from baton.planner.layout import Layout
 from baton.planner.profile import Linear, Profile
-from baton.planner.served import MIN_TPOT_TOKENS, Row, groups, in_turn, predicted
+from baton.planner.served import MIN_TPOT_TOKENS, Row, groups, in_turn, predicted, sorted_pairs
 
 PROMPTS = ((512, 2), (512, 2))
 """(prompt, output) tokens of the prompts sent one at a time."""
@@ -67,8 +67,8 @@ def probe_speed(
     for group in groups(rows):
         lone = [i for i in group if rows[i][2] < MIN_TPOT_TOKENS]
         streams = [i for i in group if rows[i][2] >= MIN_TPOT_TOKENS]
-        prefill += _ratios(lone, pred_ttft, ttft_ms)
-        decode += _ratios(streams, pred_tpot, tpot_ms)
+        prefill += [m / p for p, m in sorted_pairs(lone, pred_ttft, ttft_ms)]
+        decode += [m / p for p, m in sorted_pairs(streams, pred_tpot, tpot_ms)]
     if not prefill or not decode:
         raise ValueError("the probe measured no lone prompt or no stream: no speed to read")
     return Speed(_clamp(statistics.median(prefill)), _clamp(statistics.median(decode)))
@@ -84,14 +84,6 @@ def at_speed(profile: Profile, speed: Speed) -> Profile:
         decode=Linear(d.a * speed.decode, d.b * speed.decode, d.c * speed.decode),
         host_ms=profile.host_ms * speed.decode,
     )
-
-
-def _ratios(
-    idx: Sequence[int], pred: Sequence[float | None], measured: Sequence[float | None]
-) -> list[float]:
-    ok = [i for i in idx if measured[i] is not None and pred[i] is not None]
-    pairs = zip(sorted(pred[i] for i in ok), sorted(measured[i] for i in ok))  # type: ignore[type-var]
-    return [m / p for p, m in pairs if p > 0 and m > 0]
 
 
 def _clamp(ratio: float) -> float:

@@ -222,13 +222,21 @@ def log_error(
             (pred[1], tpot_ms, [i for i in group if rows[i][2] >= MIN_TPOT_TOKENS]),
         ]
         for p_all, m_all, idx in pairs:
-            ok = [i for i in idx if m_all[i] is not None and p_all[i] is not None]
-            for p, m in zip(sorted(p_all[i] for i in ok), sorted(m_all[i] for i in ok)):
-                if p > 0 and m > 0:
-                    terms.append(math.log(p / m) ** 2)
+            terms += [math.log(p / m) ** 2 for p, m in sorted_pairs(idx, p_all, m_all)]
     if not terms:
         raise ValueError("no request of the calibration trace was measured")
     return math.sqrt(sum(terms) / len(terms))
+
+
+def sorted_pairs(
+    idx: Sequence[int], pred: Sequence[float | None], measured: Sequence[float | None]
+) -> list[tuple[float, float]]:
+    """(predicted, measured) of the requests ``idx`` sent together, paired in sorted order (the
+    client's start order is not the trace's at a millisecond); a None (failed, or one output token)
+    and a value not above 0 left out."""
+    ok = [i for i in idx if measured[i] is not None and pred[i] is not None]
+    pairs = zip(sorted(pred[i] for i in ok), sorted(measured[i] for i in ok))  # type: ignore[type-var]
+    return [(p, m) for p, m in pairs if p > 0 and m > 0]
 
 
 def fit_served(
