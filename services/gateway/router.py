@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import get_args
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -63,11 +64,14 @@ class Router:
     # A worker that failed mid-stream stays out of routing this long (the workers' registry TTL
     # is 6 s): a restarted worker registers a new address, so nothing live is kept out.
     FAILED_HOLD_S = 10.0
-    # A registry read that finds no worker at all, where the last one found some, is a Redis that
-    # restarted empty (or was flushed), not every worker leaving at once: the workers register again
-    # at their next heartbeat (every TTL / 3 = 2 s by default). Until this long has passed, routing
-    # goes on with the workers last seen beside those back already. A worker that really left
-    # refuses new work, and the request goes to another (or answers 503 as it would have).
+    # A registry read that finds no worker of a role, where the last one found some, is a Redis that
+    # restarted empty (or was flushed), not every worker of the role leaving at once: the workers
+    # register again at their next heartbeat (every TTL / 3 = 2 s by default), each on its own
+    # clock, so the first read after the restart may find the prefill worker back and no decode
+    # worker yet (CI stop 46: a 503 for every request of those two seconds). Until this long has
+    # passed, routing goes on with that role's workers last seen beside those back already. A worker
+    # that really left refuses new work, and the request goes to another (or answers 503 as it
+    # would have).
     REGISTRY_RESET_HOLD_S = 6.0
     # A worker list whose latest read started this long ago (a gateway without traffic reads
     # nothing) is read again before a request routes on it, not beside: the workers' heartbeat
@@ -130,8 +134,8 @@ class Router:
         self._in_flight: Counter[str] = Counter()
         self._failed: dict[str, float] = {}  # address -> until when it is left out (monotonic)
         self._last_read: list[WorkerInfo] = []  # what the latest successful registry read found
-        self._held: list[WorkerInfo] = []  # the workers a registry reset left out, kept until:
-        self._reset_until = float("-inf")
+        # role -> (until when, the workers of that role last seen) after a read found none of it
+        self._held: dict[str, tuple[float, list[WorkerInfo]]] = {}
 
     async def _redis(self, fn, *args):
         """``fn(*args)`` (a blocking Redis call) on the router's own threads (a few: each call is
@@ -219,22 +223,26 @@ class Router:
         await self._close_unused_channels({w.grpc_address for w in self._decode})
 
     def _through_a_reset(self, workers: list[WorkerInfo], now: float) -> list[WorkerInfo]:
-        """``workers`` as read, or, within ``REGISTRY_RESET_HOLD_S`` of a read that found none where
-        the read before found some (a Redis restarted empty), those beside the ones that read found
-        and that are not back yet."""
-        if not workers and self._last_read and now >= self._reset_until:
-            self._reset_until, self._held = now + self.REGISTRY_RESET_HOLD_S, self._last_read
-            log.warning(
-                "the worker registry is empty (a Redis restarted empty?): routing on the %d workers "
-                "last seen for up to %.0f s while they register again",
-                len(self._held),
-                self.REGISTRY_RESET_HOLD_S,
-            )
+        """``workers`` as read and, for a role that a read found none of where the read before
+        found some (a Redis restarted empty), that role's workers last seen and not back yet,
+        within ``REGISTRY_RESET_HOLD_S`` of that read."""
+        for role in get_args(Role):
+            before = [w for w in self._last_read if w.role == role]
+            until, _ = self._held.get(role, (float("-inf"), []))
+            if before and now >= until and not any(w.role == role for w in workers):
+                self._held[role] = (now + self.REGISTRY_RESET_HOLD_S, before)
+                log.warning(
+                    "the worker registry lists no %s worker (a Redis restarted empty?): routing on "
+                    "the %d last seen for up to %.0f s while they register again",
+                    role,
+                    len(before),
+                    self.REGISTRY_RESET_HOLD_S,
+                )
         self._last_read = workers
-        if now >= self._reset_until:
-            return workers
+        self._held = {role: held for role, held in self._held.items() if now < held[0]}
         back = {w.id for w in workers}
-        return [*workers, *(w for w in self._held if w.id not in back)]
+        kept = [w for _, held in self._held.values() for w in held if w.id not in back]
+        return [*workers, *kept]
 
     async def pick_decode(
         self, exclude: Collection[str] = (), prompt_token_ids: Sequence[int] = ()

@@ -1,9 +1,11 @@
 """The gateway's router over a real Redis registry: a decode worker that failed a call is left out
-while another is left, and chosen again, not refused, when it is the only one."""
+while another is left, and chosen again, not refused, when it is the only one; a registry refilled
+after a reset one heartbeat at a time keeps each role's workers last seen until they are back."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -81,3 +83,33 @@ def test_a_gateway_back_from_idle_routes_on_a_list_read_now_and_with_traffic_on_
     # ... but a list whose last read is older (a gateway without traffic) is read again first.
     router.IDLE_READ_S = 0.0
     assert _pick(router) == "second"
+
+
+def _prefill(worker_id: str, port: int) -> WorkerInfo:
+    return WorkerInfo(worker_id, "prefill", f"127.0.0.1:{port}", "", f"http://127.0.0.1:{port}/metrics")
+
+
+def test_a_registry_refilled_one_worker_at_a_time_keeps_the_decode_workers_last_seen(
+    registry, client, monkeypatch
+):
+    """CI stop 46: after `docker compose restart redis` the prefill worker's heartbeat came back
+    before either decode worker's, and every request of those seconds got a 503 'no decode worker
+    is available': the hold through a reset applied only to a read that found no worker at all."""
+    monkeypatch.setattr(Router, "REGISTRY_RESET_HOLD_S", 1.0)
+    monkeypatch.setattr(Router, "IDLE_READ_S", 0.0)  # each pick routes on a list read for it
+    registry.register(_prefill("p", 1010))
+    registry.register(_decode("d1", 1011))
+    registry.register(_decode("d2", 1012))
+    router = Router(registry, refresh_s=0.0)
+    assert _pick(router) in {"d1", "d2"}
+    client.flushdb()  # Redis restarted empty ...
+    registry.register(_prefill("p", 1010))  # ... and the prefill worker beat first
+    assert _pick(router, exclude=["127.0.0.1:1011"]) == "d2"  # was the 503
+    registry.register(_decode("d1", 1011))  # one decode worker back: listed once, not twice
+    assert sorted(w.id for w in asyncio.run(router.decode_workers())) == ["d1", "d2"]
+    deadline = time.monotonic() + 10
+    while "d2" in {w.id for w in asyncio.run(router.decode_workers())}:  # d2 never came back
+        assert time.monotonic() < deadline, "the decode worker that never came back was held past its hold"
+        time.sleep(0.05)
+    assert _pick(router) == "d1"
+    assert [w.id for w in router.prefill_workers] == ["p"]
