@@ -6,6 +6,8 @@ that a layer runs four GEMMs. Tokens of all requests in a step are one flat batc
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -287,25 +289,24 @@ class LlamaForCausalLM(nn.Module):
         weights: list[torch.Tensor] = []
         eps = {self.norm.eps}
         for layer in self.layers:
+            if type(layer) is not LlamaDecoderLayer:
+                return None
             attn, mlp = layer.self_attn, layer.mlp
-            plain = (
-                type(layer) is LlamaDecoderLayer
-                and type(attn) is LlamaAttention
-                and type(mlp) is LlamaMLP
-                and type(layer.input_layernorm) is RMSNorm
-                and type(layer.post_attention_layernorm) is RMSNorm
-            )
-            if not plain:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+                return None
+            if any(type(n) is not RMSNorm for n in norms):
                 return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(p) is not Linear or type(p.packed) is not Bf16GemmWeight for p in projections):
+            packed = [p.packed if type(p) is Linear else None for p in projections]
+            if any(type(w) is not Bf16GemmWeight for w in packed):
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.weight.dtype != torch.float32 for n in norms):
+            plain = cast(tuple[RMSNorm, RMSNorm], norms)
+            if any(n.weight.dtype != torch.float32 for n in plain):
                 return None
-            eps |= {n.eps for n in norms}
-            qkv, o, gate_up, down = (p.packed.packed for p in projections)
-            weights += [norms[0].weight, qkv, o, norms[1].weight, gate_up, down]
+            eps |= {n.eps for n in plain}
+            qkv, o, gate_up, down = (cast(Bf16GemmWeight, w).packed for w in packed)
+            weights += [plain[0].weight, qkv, o, plain[1].weight, gate_up, down]
         return weights if len(eps) == 1 else None
 
     def _layers_in_one_call(self, n: int, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -337,7 +338,8 @@ class LlamaForCausalLM(nn.Module):
         if self._layers_in_one_call(residual.shape[0], kv_cache, meta):
             from baton.kernels import cpu_ops
 
-            attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+            first = cast(LlamaDecoderLayer, self.layers[0])  # plain: ``one_call_weights`` checked
+            attn, mlp = cast(LlamaAttention, first.self_attn), cast(LlamaMLP, first.mlp)
             delta = cpu_ops.load().llama_layers(
                 residual, None, self.one_call_weights, positions, self.rotary.cos, self.rotary.sin,
                 kv_cache, meta.slot_blocks, meta.slot_offsets, meta.num_decode_tokens,
