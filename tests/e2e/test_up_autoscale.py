@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,10 +29,13 @@ pytestmark = [pytest.mark.slow]
 PROMPTS = [[11, 200, 3000, 45, 9], [700, 701, 702, 703, 704, 705], list(range(100, 140))]
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-gib", "0.05", "--max-num-batched-tokens", "256"]
 ENGINE_FLAGS += ["--max-num-seqs", "8"]
-SHORT, LONG = 24, 4000
-"""LONG: streams that outlast the scale-down's 3 quiet intervals (1 s each, the cooldown past) on a
-fast host too: 2,500 tokens ended within them on a 2-core Xeon with AMX; the tiny Llama's 4,096
-positions bound it."""
+SHORT, PACE = 24, 256
+LONG_S, LONG_MIN, LONG_MAX = 30.0, 1000, 4000
+"""The long streams' length: ``LONG_S`` seconds of this host's pace (a ``PACE``-token stream alone,
+timed), so that they outlast the scale-down's 3 quiet intervals (1 s each) and the cooldown's
+10 s left on a fast host (2,500 tokens ended within them on a 2-core Xeon with AMX) without taking
+minutes on a slow one (4,000 tokens, the tiny Llama's 4,096 positions less the prompt, ran ~200 s
+on a busy 2-core Zen 3); the streams still in flight when the retirement starts are asserted."""
 
 
 def _slow_profile(path: Path) -> str:
@@ -163,6 +167,11 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
     try:
         assert len(_workers(base)) == 1
         reference = {i: _complete(base, _body(name, p, SHORT)) for i, p in enumerate(PROMPTS)}
+        began = time.monotonic()
+        assert len(_stream(base, _body(name, PROMPTS[0], PACE))) == PACE
+        tokens_per_s = PACE / (time.monotonic() - began)
+        long = min(LONG_MAX, max(LONG_MIN, round(LONG_S * tokens_per_s)))
+        print(f"long streams: {long} tokens ({tokens_per_s:.0f} tokens/s alone)")
         # 1 -> 2 under load: streams run through the start and registration of the second worker.
         with _Load(base, name, clients=3) as load:
             two = wait_for(lambda: len(w := _workers(base)) == 2 and w, 180, "a second decode worker")
@@ -177,7 +186,7 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
         streams = [
             threading.Thread(
                 target=lambda i=i: long_results.__setitem__(
-                    i, _stream(base, _body(name, PROMPTS[i % 3], LONG))
+                    i, _stream(base, _body(name, PROMPTS[i % 3], long))
                 )
             )
             for i in range(4)
@@ -190,7 +199,7 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
         )
         for t in streams:
             t.join(timeout=300)
-        assert len(long_results) == 4 and all(len(v) == LONG for v in long_results.values())
+        assert len(long_results) == 4 and all(len(v) == long for v in long_results.values())
         wait_for(lambda: len(_workers(base)) == 1, 60, "one worker left")
         wait_for(
             lambda: "retired: exited with code 0" in out.text(), 180, "the retired worker's exit", every_s=0.2
@@ -198,7 +207,7 @@ def test_load_adds_a_decode_worker_and_its_end_retires_one_by_draining(tmp_path,
         # the unfaulted run: one worker, the three prompts at once (greedy tokens do not depend on
         # the batch, which the load's streams above checked against references taken alone)
         with ThreadPoolExecutor(3) as pool:
-            unfaulted = dict(enumerate(pool.map(lambda p: _complete(base, _body(name, p, LONG)), PROMPTS)))
+            unfaulted = dict(enumerate(pool.map(lambda p: _complete(base, _body(name, p, long)), PROMPTS)))
         for i, tokens in long_results.items():
             assert tokens == unfaulted[i % 3], f"long stream {i} differs"
     finally:
